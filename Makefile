@@ -1,0 +1,33 @@
+# kvscale: one-command set-up, run and test on a fresh machine (Python 3.11, no GPU).
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test serve lint e2e clean
+
+venv: $(STAMP)
+
+# torch first, pinned to the CPU wheel, or pip would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml setup.py requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+serve: venv
+	$(BIN)/kvscale generate --model demo
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

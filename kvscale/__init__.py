@@ -1,0 +1,3 @@
+"""kvscale: LLM serving on Kubernetes."""
+
+__version__ = "0.1.0"

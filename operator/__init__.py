@@ -1,0 +1,1 @@
+"""The LLMDeployment operator (kopf)."""

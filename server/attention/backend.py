@@ -1,0 +1,48 @@
+"""The attention-backend interface over the paged KV cache.
+
+KV cache of one layer: ``k_cache`` and ``v_cache``, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Backends write the step's new
+K/V into their slots, then attend each new query token to its sequence's cached
+tokens (causal), reading blocks through the block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvscale.server.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Stores ``k, v [T, Hk, D]`` at ``meta.slot_mapping``."""
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """``q [T, Hq, D]`` -> ``[T, Hq, D]``; each query sees its sequence's tokens up to itself."""
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``name``: "auto" (Triton on CUDA, torch otherwise), "torch" or "triton"."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from kvscale.server.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from kvscale.server.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend: {name!r} is not one of 'auto', 'torch', 'triton'")

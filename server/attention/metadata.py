@@ -1,0 +1,36 @@
+"""What attention needs to know about one engine step's batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """A step's batch: T new tokens from B sequences, flattened in sequence order.
+
+    ``slot_mapping [T] int64``: cache slot (``block * block_size + offset``) of each new
+    token; negative = padding, not written. ``query_start_loc [B+1] int32``: cumulative
+    new-token offsets. ``seq_lens [B] int32``: tokens of each sequence in the cache after
+    this step (earlier context + new). ``block_tables [B, max_blocks] int32``: block ids
+    per sequence, padded. ``*_cpu``: host copies of the same lists, for host-side loops.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,140 @@
+"""Builds small random-weight Hugging Face checkpoints with a real tokenizer.
+
+No model hub is reachable from our machines, so the demo and the tests make their own
+checkpoints: transformers' config and model classes write ``config.json`` and
+safetensors; the tokenizer is Mistral's 32k SentencePiece model shipped inside the
+``mistral-common`` package, converted to ``tokenizer.json``; a chat template is added.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvscale.server.model_config import parse_dtype
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+# Architecture name -> (transformers config class, model class) names.
+_ARCHES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+SIZES: dict[str, dict[str, Any]] = {
+    # For tests: fast on 2 CPU cores.
+    "tiny": dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    ),
+    # For `kvscale serve --model demo` on a CPU.
+    "demo": dict(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+    ),
+}
+
+
+def _sentencepiece_file() -> Path:
+    import mistral_common
+
+    path = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    if not path.is_file():
+        raise FileNotFoundError(f"mistral-common does not ship {path.name} at {path}")
+    return path
+
+
+def write_tokenizer(out_dir: str | Path) -> None:
+    """Writes tokenizer.json + tokenizer_config.json (Mistral 32k vocab, chat template)."""
+    from tokenizers.models import BPE
+    from transformers import LlamaTokenizer
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    parts = SentencePieceExtractor(str(_sentencepiece_file())).extract(BPE)
+    tok = LlamaTokenizer(
+        vocab=parts["vocab"], merges=parts["merges"], add_bos_token=True, add_eos_token=False
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out_dir))
+
+
+def build_checkpoint(
+    out_dir: str | Path,
+    arch: str = "llama",
+    size: str = "tiny",
+    dtype: str = "float32",
+    seed: int = 0,
+    rope_scaling: dict[str, Any] | None = None,
+    max_shard_size: str | None = None,
+    tie_word_embeddings: bool | None = None,
+    init_std: float = 0.08,
+    **overrides: Any,
+) -> Path:
+    """Writes a random-weight checkpoint to ``out_dir`` and returns its path.
+
+    ``arch``: llama | mistral | qwen2. ``size``: a key of SIZES. ``rope_scaling``: e.g.
+    ``{"rope_type": "llama3", "factor": 8.0, ...}``. ``max_shard_size`` (e.g. "2MB")
+    writes sharded safetensors with an index file. ``init_std`` is larger than
+    transformers' default so that random models have decisive (non-tied) argmaxes.
+    """
+    import transformers
+
+    if arch not in _ARCHES:
+        raise ValueError(f"arch: {arch!r} is not one of {sorted(_ARCHES)}")
+    if size not in SIZES:
+        raise ValueError(f"size: {size!r} is not one of {sorted(SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out)
+    cfg_cls_name, model_cls_name = _ARCHES[arch]
+    kwargs: dict[str, Any] = dict(SIZES[size])
+    kwargs.update(
+        vocab_size=32000, bos_token_id=1, eos_token_id=2, initializer_range=init_std,
+        rms_norm_eps=1e-5, rope_theta=10000.0,
+    )
+    if arch == "qwen2":
+        kwargs["tie_word_embeddings"] = True
+    if tie_word_embeddings is not None:
+        kwargs["tie_word_embeddings"] = tie_word_embeddings
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = {**rope_scaling, "rope_theta": kwargs["rope_theta"]}
+    kwargs.update(overrides)
+    config = getattr(transformers, cfg_cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls_name)(config).to(parse_dtype(dtype))
+    model.eval()
+    save_kwargs: dict[str, Any] = {}
+    if max_shard_size:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(out), **save_kwargs)
+    return out
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("KVSCALE_CACHE") or Path.home() / ".cache" / "kvscale"
+    return Path(base)
+
+
+def demo_model_path(size: str = "demo") -> Path:
+    """Returns the built-in demo checkpoint, building it on first use (a few seconds)."""
+    path = default_cache_dir() / f"demo-llama-{size}-v1"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_checkpoint(tmp, arch="llama", size=size, dtype="float32", seed=0)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    return path

@@ -1,0 +1,51 @@
+"""Incremental detokenization that never emits a broken multi-byte character.
+
+Each update decodes a short window of recent tokens twice (with and without the new
+ones) and emits the difference, holding text back while the window ends in an
+incomplete UTF-8 sequence (U+FFFD). The window starts inside the prompt so that
+the first output token keeps its leading space, as it would in a full decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PROMPT_CONTEXT = 5  # prompt tokens kept as left context for the first output tokens
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Appends tokens; returns the newly complete text (may be empty)."""
+        self.ids.extend(new_token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (e.g. a lone partial character)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
+        self.read_offset = len(self.ids)
+        self.prefix_offset = self.read_offset
+        self.text += delta
+        return delta

@@ -1,0 +1,235 @@
+"""Runs one scheduled batch through the model and samples the next tokens.
+
+Owns the model, the paged KV pool (allocated once) and the attention backend. Input
+is the scheduler's batch; output is one sampled token (plus logprobs if asked) for
+each sequence whose prompt is fully in the cache after this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvscale.server.attention.backend import get_backend
+from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.engine.scheduler import ScheduledBatch
+from kvscale.server.engine.sequence import Sequence
+from kvscale.server.forward_context import forward_context
+from kvscale.server.layers import ops
+from kvscale.server.layers.sampler import SamplingTensors, sample, top_logprobs
+from kvscale.server.loader import load_model
+from kvscale.server.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when num_kv_blocks is not given
+
+
+@dataclass
+class StepResult:
+    """For each sequence that sampled (in batch order): its token and optional logprobs."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    # per row: (top ids, top logprobs, sampled logprob, sampled rank) when logprobs asked
+    logprobs: list[tuple[list[int], list[float], float, int] | None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model_path: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        num_kv_blocks: int | None,
+        max_num_batched_tokens: int,
+        gpu_memory_utilization: float,
+        attention_backend: str,
+        seed: int,
+    ) -> None:
+        self.cfg = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.backend = get_backend(attention_backend, device)
+        ops.use_kernels(self.backend.name == "triton")
+        self.model = load_model(model_config, model_path, dtype, device)
+        self.attn_layers = self.model.attention_layers()  # type: ignore[operator]
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        if num_kv_blocks is None:
+            num_kv_blocks = self._auto_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
+        self.num_kv_blocks = num_kv_blocks
+        self._allocate_kv_cache(num_kv_blocks)
+
+    # ---- KV pool -------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        layer = self.attn_layers[0]
+        elems = 2 * self.block_size * layer.num_kv_heads * layer.head_dim
+        return elems * len(self.attn_layers) * torch.empty((), dtype=self.dtype).element_size()
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        for layer in self.attn_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _auto_num_blocks(self, max_tokens: int, utilization: float) -> int:
+        if self.device.type != "cuda":
+            return max(1, CPU_KV_CACHE_BYTES // self.bytes_per_block)
+        # Profile a full-size prefill to learn peak activation memory, then give the
+        # rest of utilization * total memory to the KV pool.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n_blocks = -(-max_tokens // self.block_size)
+        self._allocate_kv_cache(n_blocks)
+        ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
+        meta = _metadata_for([max_tokens], [max_tokens], [list(range(n_blocks))], self.block_size,
+                             self.device, [list(range(max_tokens))])
+        with torch.inference_mode(), forward_context(self.backend, meta):
+            hidden = self.model(ids, torch.arange(max_tokens, device=self.device))
+            self.model.compute_logits(hidden[-1:])  # type: ignore[operator]
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self._allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * utilization) - peak - others
+        blocks = budget // self.bytes_per_block
+        if blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {total * utilization / 2**30:.1f} GiB "
+                f"allowed (gpu_memory_utilization={utilization}), model and activations take "
+                f"{peak / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "
+                "max_num_batched_tokens"
+            )
+        log.info("KV cache: %d blocks (%.1f GiB)", blocks, blocks * self.bytes_per_block / 2**30)
+        return int(blocks)
+
+    # ---- one step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, eos_ids: dict[int, list[int]]) -> StepResult:
+        """Runs the batch; ``eos_ids[seq_id]`` lists tokens banned for that row (min_tokens)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            if start + n == seq.num_tokens:
+                sample_rows.append(b)
+        dev = self.device
+        meta = _metadata_for(
+            q_lens, seq_lens, [s.block_table for s in batch.seqs], self.block_size, dev,
+            [list(range(s.num_computed_tokens, s.num_computed_tokens + n))
+             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)],
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        with forward_context(self.backend, meta):
+            hidden = self.model(input_ids, pos)
+        seqs = [batch.seqs[b] for b in sample_rows]
+        if not seqs:
+            return StepResult([], [], [])
+        last = [meta.query_start_loc_cpu[b + 1] - 1 for b in sample_rows]
+        logits = self.model.compute_logits(hidden[torch.tensor(last, device=dev)])  # type: ignore[operator]
+        return self._sample(seqs, logits, eos_ids)
+
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, banned: dict[int, list[int]]
+    ) -> StepResult:
+        want_lp = [s.params.logprobs for s in seqs]
+        raw = logits.clone() if any(k is not None for k in want_lp) else None
+        for row, seq in enumerate(seqs):
+            ban = banned.get(seq.seq_id)
+            if ban:
+                logits[row, ban] = float("-inf")
+        t, prompt_mask, counts = self._sampling_tensors(seqs, logits.shape[1])
+        tokens = sample(
+            logits, t, [s.generator for s in seqs], self.generator, prompt_mask, counts
+        )
+        lps: list[tuple[list[int], list[float], float, int] | None] = [None] * len(seqs)
+        if raw is not None:
+            k = max(k or 0 for k in want_lp)
+            top_ids, top_lp, s_lp, rank = top_logprobs(raw, tokens, k)
+            top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
+            s_lp, rank = s_lp.tolist(), rank.tolist()
+            for row, kk in enumerate(want_lp):
+                if kk is not None:
+                    lps[row] = (top_ids[row][:kk], top_lp[row][:kk], s_lp[row], rank[row])
+        return StepResult(seqs, tokens.tolist(), lps)
+
+    def _sampling_tensors(
+        self, seqs: list[Sequence], vocab: int
+    ) -> tuple[SamplingTensors, torch.Tensor | None, torch.Tensor | None]:
+        ps = [s.params for s in seqs]
+        dev = self.device
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev)
+
+        do_pen = any(
+            p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps
+        )
+        t = SamplingTensors(
+            temperature=f32([p.temperature for p in ps]),
+            top_k=torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
+            top_p=f32([p.top_p for p in ps]),
+            min_p=f32([p.min_p for p in ps]),
+            greedy=torch.tensor([p.greedy for p in ps], dtype=torch.bool, device=dev),
+            repetition_penalty=f32([p.repetition_penalty for p in ps]),
+            presence_penalty=f32([p.presence_penalty for p in ps]),
+            frequency_penalty=f32([p.frequency_penalty for p in ps]),
+            do_top_k=any(p.top_k > 0 for p in ps),
+            do_top_p_min_p=any(p.top_p < 1 or p.min_p > 0 for p in ps),
+            do_penalties=do_pen,
+        )
+        if not do_pen:
+            return t, None, None
+        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+        counts = torch.zeros(len(seqs), vocab, dtype=torch.int32, device=dev)
+        for row, s in enumerate(seqs):
+            prompt_mask[row, torch.tensor(s.prompt_token_ids, device=dev)] = True
+            out = s.output_token_ids
+            if out:
+                idx = torch.tensor(out, dtype=torch.long, device=dev)
+                counts[row].index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
+        return t, prompt_mask, counts
+
+
+def _metadata_for(
+    q_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+    device: torch.device, positions: list[list[int]],
+) -> AttentionMetadata:
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for table, pos in zip(tables, positions, strict=True)
+        for p in pos
+    ]
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens),
+    )

@@ -1,0 +1,119 @@
+"""Iteration-level continuous batching with chunked prefill and recompute preemption.
+
+Each step builds one batch: first the running sequences (decodes, and prefills still
+in progress) in arrival order, then waiting ones, all within ``max_num_batched_tokens``
+new tokens and ``max_num_seqs`` sequences. A prompt longer than the remaining budget
+is prefilled in chunks over several steps. When a running sequence needs a block and
+none is free, the newest running sequence is preempted: its blocks are freed and it
+goes back to the front of the queue, to be recomputed from its tokens later (its
+generated tokens are kept, so nothing is lost).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvscale.server.engine.block_manager import BlockManager
+from kvscale.server.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences of one step and how many new tokens each feeds the model."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._reserve(seq, n, batch):
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+            else:
+                break  # seq itself was preempted; everything after it already was
+        if batch.preempted:
+            return batch  # don't admit new work while evicting
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
+                break
+            self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Allocates blocks for ``n`` more tokens of ``seq``, preempting the newest if needed."""
+        while not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence and frees its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED

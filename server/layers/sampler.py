@@ -1,0 +1,146 @@
+"""Batched sampling math: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+
+All functions take fp32 logits ``[N, V]`` (one row per sequence that samples this step)
+and per-row parameter tensors ``[N]`` on the same device, with no per-row Python loop
+except the draw for rows that carry their own seeded generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters. ``top_k`` 0 = off; ``greedy`` rows take the argmax."""
+
+    temperature: torch.Tensor  # [N] fp32
+    top_k: torch.Tensor  # [N] int64
+    top_p: torch.Tensor  # [N] fp32
+    min_p: torch.Tensor  # [N] fp32
+    greedy: torch.Tensor  # [N] bool
+    repetition_penalty: torch.Tensor  # [N] fp32
+    presence_penalty: torch.Tensor  # [N] fp32
+    frequency_penalty: torch.Tensor  # [N] fp32
+    do_top_k: bool
+    do_top_p_min_p: bool
+    do_penalties: bool
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM/OpenAI semantics, in place.
+
+    Repetition (HF/CTRL): tokens seen in prompt or output get positive logits divided,
+    negative multiplied. Presence/frequency: subtract ``presence * [count > 0]`` and
+    ``frequency * count`` for tokens generated so far. ``prompt_mask [N, V]`` bool,
+    ``output_counts [N, V]`` int.
+    """
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalized, logits))
+    counts = output_counts.to(logits.dtype)
+    logits -= frequency.unsqueeze(1) * counts
+    logits -= presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Masks (with -inf) tokens outside top-k, outside the top-p nucleus, or under
+    ``min_p * max_prob``. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 disable per row.
+    The most likely token is always kept."""
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if top_p is not None or min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        if min_p is not None:
+            threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            logits.masked_fill_(probs < threshold, float("-inf"))
+        if top_p is not None:
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            cum = torch.cumsum(sorted_probs, dim=-1)
+            # drop a token if the mass strictly before it already reaches top_p
+            drop_sorted = (cum - sorted_probs) >= top_p.unsqueeze(1)
+            drop_sorted[:, 0] = False
+            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+            logits.masked_fill_(drop, float("-inf"))
+    return logits
+
+
+def draw(
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+    default: torch.Generator | None,
+) -> torch.Tensor:
+    """Samples one token per row of ``probs [N, V]`` by the exponential race
+    ``argmax(p / E)``, ``E ~ Exp(1)``. Rows with a generator draw their noise from it
+    alone, so a seeded request's tokens do not depend on its batch neighbours."""
+    noise = torch.empty_like(probs)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        noise.exponential_(generator=default)
+    for i in seeded:
+        noise[i].exponential_(generator=generators[i])
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+    prompt_mask: torch.Tensor | None = None,
+    output_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``logits [N, V]`` fp32 (modified in place) -> sampled token ids ``[N]`` int64."""
+    if t.do_penalties:
+        assert prompt_mask is not None and output_counts is not None
+        apply_penalties(
+            logits, prompt_mask, output_counts,
+            t.repetition_penalty, t.presence_penalty, t.frequency_penalty,
+        )
+    greedy_tokens = logits.argmax(dim=-1)
+    if bool(t.greedy.all()):
+        return greedy_tokens
+    logits.div_(torch.where(t.greedy, 1.0, t.temperature).unsqueeze(1))
+    apply_top_k_top_p_min_p(
+        logits,
+        t.top_k if t.do_top_k else None,
+        t.top_p if t.do_top_p_min_p else None,
+        t.min_p if t.do_top_p_min_p else None,
+    )
+    probs = torch.softmax(logits, dim=-1)
+    sampled = draw(probs, generators, default_generator)
+    return torch.where(t.greedy, greedy_tokens, sampled)
+
+
+def top_logprobs(
+    raw_logits: torch.Tensor, sampled: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the unmodified distribution.
+
+    Returns ``(top_ids [N, k], top_lp [N, k], sampled_lp [N], sampled_rank [N])``;
+    rank 1 is the most likely token.
+    """
+    lp = torch.log_softmax(raw_logits, dim=-1)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], sampled[:, None][:, :0])
+    sampled_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    rank = (lp > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
+    return top_ids, top_lp, sampled_lp, rank

@@ -1,0 +1,184 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral without sliding window, Qwen2).
+
+The three differ only in flags of ``ModelConfig``: q/k/v bias (Qwen2), tied
+embeddings, rope scaling, GQA ratio. Input is the step's flattened tokens
+(``input_ids [T] int64``, ``positions [T] int64``); output hidden states ``[T, H]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvscale.server.layers.activation import SiluAndMul
+from kvscale.server.layers.attention import Attention
+from kvscale.server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvscale.server.layers.layernorm import RMSNorm
+from kvscale.server.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from kvscale.server.layers.rotary import RotaryEmbedding
+from kvscale.server.model_config import CheckpointError, ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], bias=cfg.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# checkpoint name fragment -> (our parameter fragment, shard id)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` -> fp32 logits ``[N, vocab]``."""
+        return self.lm_head.compute_logits(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (HF names) in; raises CheckpointError if any is missing."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        needed: set[tuple[str, object]] = set()
+        for name in params:
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if ".qkv_proj." in name:
+                needed.update((name, s) for s in "qkv")
+            elif ".gate_up_proj." in name:
+                needed.update((name, s) for s in (0, 1))
+            else:
+                needed.add((name, None))
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            if ckpt_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name, shard = ckpt_name, None
+            for frag, ours, shard_id in _STACKED:
+                if frag in ckpt_name:
+                    name, shard = ckpt_name.replace(frag, ours), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                continue  # extra tensors (e.g. other heads) are ignored, like vLLM does
+            try:
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor, shard)
+            except ValueError as e:
+                raise CheckpointError(f"tensor {ckpt_name!r}: {e}") from e
+            needed.discard((name, shard))
+        if needed:
+            names = sorted({_hf_name(n, s) for n, s in needed})
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise CheckpointError(f"checkpoint is missing tensors: {shown}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _hf_name(name: str, shard: object) -> str:
+    for frag, ours, shard_id in _STACKED:
+        if ours in name and shard == shard_id:
+            return name.replace(ours, frag)
+    return name
