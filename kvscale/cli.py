@@ -22,8 +22,10 @@ def _generate(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     for out in outs:
         c = out.outputs[0]
-        print(f"prompt: {out.prompt!r}\noutput: {c.text!r}  [{len(c.token_ids)} tokens, "
-              f"finish_reason={c.finish_reason}]")
+        print(
+            f"prompt: {out.prompt!r}\noutput: {c.text!r}  [{len(c.token_ids)} tokens, "
+            f"finish_reason={c.finish_reason}]"
+        )
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"{n} tokens in {dt:.2f}s", file=sys.stderr)
     return 0

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from kvscale.server.model_config import ModelConfig, parse_dtype
 
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -29,7 +28,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in VALID_BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, got {self.block_size}")
+            raise ValueError(
+                f"block_size must be one of {VALID_BLOCK_SIZES}, got {self.block_size}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1:
@@ -62,7 +63,7 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
-        """"auto": the checkpoint's dtype on GPU (fp32 checkpoints run in bf16 there);
+        """ "auto": the checkpoint's dtype on GPU (fp32 checkpoints run in bf16 there);
         fp32 on CPU, where half-precision matmuls are slow or missing."""
         if self.dtype != "auto":
             return parse_dtype(self.dtype)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from kvscale.server.model_config import parse_dtype
 
 CHAT_TEMPLATE = (
@@ -35,13 +34,21 @@ _ARCHES = {
 SIZES: dict[str, dict[str, Any]] = {
     # For tests: fast on 2 CPU cores.
     "tiny": dict(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
     ),
     # For `kvscale serve --model demo` on a CPU.
     "demo": dict(
-        hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
     ),
 }
 
@@ -100,8 +107,12 @@ def build_checkpoint(
     cfg_cls_name, model_cls_name = _ARCHES[arch]
     kwargs: dict[str, Any] = dict(SIZES[size])
     kwargs.update(
-        vocab_size=32000, bos_token_id=1, eos_token_id=2, initializer_range=init_std,
-        rms_norm_eps=1e-5, rope_theta=10000.0,
+        vocab_size=32000,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=init_std,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
     )
     if arch == "qwen2":
         kwargs["tie_word_embeddings"] = True

@@ -38,16 +38,23 @@ class LLM:
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
-                model=resolve_model(model), tokenizer=tokenizer, dtype=dtype, device=device,
-                block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                model=resolve_model(model),
+                tokenizer=tokenizer,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization,
-                attention_backend=attention_backend, seed=seed,
+                attention_backend=attention_backend,
+                seed=seed,
             )
         )
         self._counter = 0
 
-    def get_tokenizer(self):  # noqa: ANN201 (a transformers tokenizer)
+    def get_tokenizer(self):
         return self.engine.tokenizer
 
     def generate(

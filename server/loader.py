@@ -7,11 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from torch import nn
-
 from kvscale.server.model_config import CheckpointError, ModelConfig
 from kvscale.server.models.registry import model_class
+from safetensors import safe_open
+from torch import nn
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -39,7 +38,7 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                for name in f.keys():
                     yield name, f.get_tensor(name)
         except (OSError, RuntimeError) as e:
             if isinstance(e, CheckpointError):

@@ -82,7 +82,9 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids or ()):
             raise bad("stop_token_ids", "a list of non-negative integers")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= 20
+        ):
             raise bad("logprobs", "an integer in [0, 20] or None")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "true or false")

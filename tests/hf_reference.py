@@ -18,8 +18,12 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
         for p in prompts:
             ids = torch.tensor([p])
             g = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
             outs.append(g[0, len(p) :].tolist())
     return outs

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from kvscale.server import LLM, SamplingParams
-from tests.hf_reference import hf_greedy, random_prompts
+
 from tests.conftest import LLAMA3_SCALING
+from tests.hf_reference import hf_greedy, random_prompts
 
 MAX_NEW = 12
 PROMPTS = random_prompts(16, (2, 70), seed=1)
@@ -48,7 +48,9 @@ def test_greedy_matches_transformers(references: dict, arch: str, mode: str) -> 
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     got = [o.outputs[0].token_ids for o in outs]
     mismatches = [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
-    assert not mismatches, f"prompts {mismatches} differ: {got[mismatches[0]]} vs {expected[mismatches[0]]}"
+    assert not mismatches, (
+        f"prompts {mismatches} differ: {got[mismatches[0]]} vs {expected[mismatches[0]]}"
+    )
     eng = llm.engine
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     assert all(rc == 0 for rc in eng.block_manager.ref_counts)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-
 from kvscale.server.attention.metadata import AttentionMetadata
 
 
@@ -20,17 +19,25 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
         """Stores ``k, v [T, Hk, D]`` at ``meta.slot_mapping``."""
 
     @abstractmethod
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
-        """``q [T, Hq, D]`` -> ``[T, Hq, D]``; each query sees its sequence's tokens up to itself."""
+        """``q [T, Hq, D]`` -> ``[T, Hq, D]``; each query sees its sequence up to itself."""
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.metadata import AttentionMetadata
 
@@ -12,7 +11,11 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
         slots = meta.slot_mapping
@@ -23,8 +26,12 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]

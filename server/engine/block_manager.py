@@ -51,7 +51,9 @@ class BlockManager:
         for _ in range(need):
             block = self.free_blocks.popleft()
             if self.ref_counts[block] != 0:
-                raise BlockError(f"block {block} on the free list has refcount {self.ref_counts[block]}")
+                raise BlockError(
+                    f"block {block} on the free list has refcount {self.ref_counts[block]}"
+                )
             self.ref_counts[block] = 1
             block_table.append(block)
 

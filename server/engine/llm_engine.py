@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.block_manager import BlockManager
 from kvscale.server.engine.detokenizer import IncrementalDetokenizer
@@ -59,9 +58,16 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = _eos_ids(Path(config.model), self.model_config, self.tokenizer)
         self.runner = ModelRunner(
-            self.model_config, config.model, dtype, device, config.block_size,
-            config.num_kv_blocks, int(config.max_num_batched_tokens or 0),
-            config.gpu_memory_utilization, config.attention_backend, config.seed,
+            self.model_config,
+            config.model,
+            dtype,
+            device,
+            config.block_size,
+            config.num_kv_blocks,
+            int(config.max_num_batched_tokens or 0),
+            config.gpu_memory_utilization,
+            config.attention_backend,
+            config.seed,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         if self.block_manager.blocks_for(self.max_model_len) > self.block_manager.num_blocks:
@@ -134,8 +140,13 @@ class LLMEngine:
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             )
         req = Request(
-            request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
-            seqs, detoks, now,
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            prompt_ids,
+            params,
+            seqs,
+            detoks,
+            now,
         )
         self.requests[request_id] = req
         for seq in seqs:

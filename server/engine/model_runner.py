@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from kvscale.server.attention.backend import get_backend
 from kvscale.server.attention.metadata import AttentionMetadata
 from kvscale.server.engine.scheduler import ScheduledBatch
@@ -90,8 +89,14 @@ class ModelRunner:
         n_blocks = -(-max_tokens // self.block_size)
         self._allocate_kv_cache(n_blocks)
         ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        meta = _metadata_for([max_tokens], [max_tokens], [list(range(n_blocks))], self.block_size,
-                             self.device, [list(range(max_tokens))])
+        meta = _metadata_for(
+            [max_tokens],
+            [max_tokens],
+            [list(range(n_blocks))],
+            self.block_size,
+            self.device,
+            [list(range(max_tokens))],
+        )
         with torch.inference_mode(), forward_context(self.backend, meta):
             hidden = self.model(ids, torch.arange(max_tokens, device=self.device))
             self.model.compute_logits(hidden[-1:])  # type: ignore[operator]
@@ -132,9 +137,15 @@ class ModelRunner:
                 sample_rows.append(b)
         dev = self.device
         meta = _metadata_for(
-            q_lens, seq_lens, [s.block_table for s in batch.seqs], self.block_size, dev,
-            [list(range(s.num_computed_tokens, s.num_computed_tokens + n))
-             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)],
+            q_lens,
+            seq_lens,
+            [s.block_table for s in batch.seqs],
+            self.block_size,
+            dev,
+            [
+                list(range(s.num_computed_tokens, s.num_computed_tokens + n))
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            ],
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
@@ -157,9 +168,7 @@ class ModelRunner:
             if ban:
                 logits[row, ban] = float("-inf")
         t, prompt_mask, counts = self._sampling_tensors(seqs, logits.shape[1])
-        tokens = sample(
-            logits, t, [s.generator for s in seqs], self.generator, prompt_mask, counts
-        )
+        tokens = sample(logits, t, [s.generator for s in seqs], self.generator, prompt_mask, counts)
         lps: list[tuple[list[int], list[float], float, int] | None] = [None] * len(seqs)
         if raw is not None:
             k = max(k or 0 for k in want_lp)
@@ -210,8 +219,12 @@ class ModelRunner:
 
 
 def _metadata_for(
-    q_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
-    device: torch.device, positions: list[list[int]],
+    q_lens: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    positions: list[list[int]],
 ) -> AttentionMetadata:
     starts = [0]
     for n in q_lens:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from kvscale.server.forward_context import get_forward_context
+from torch import nn
 
 
 class Attention(nn.Module):

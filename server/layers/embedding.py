@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from kvscale.server.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from torch import nn
 
 
 class VocabParallelEmbedding(nn.Module):

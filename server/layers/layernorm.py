@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from kvscale.server.layers import ops
+from torch import nn
 
 
 class RMSNorm(nn.Module):

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from kvscale.server.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from torch import nn
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -95,7 +94,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections; heads are split across ranks (``shard_id`` q|k|v)."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
         bias: bool = False,
     ) -> None:
         tp = tp_size()

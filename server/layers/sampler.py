@@ -113,8 +113,12 @@ def sample(
     if t.do_penalties:
         assert prompt_mask is not None and output_counts is not None
         apply_penalties(
-            logits, prompt_mask, output_counts,
-            t.repetition_penalty, t.presence_penalty, t.frequency_penalty,
+            logits,
+            prompt_mask,
+            output_counts,
+            t.repetition_penalty,
+            t.presence_penalty,
+            t.frequency_penalty,
         )
     greedy_tokens = logits.argmax(dim=-1)
     if bool(t.greedy.all()):
