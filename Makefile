@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# The repo has a top-level operator/ folder (kvscale.operator): keep the current
+# directory off sys.path for `python -m`/`-c`, or it would shadow the stdlib module.
+export PYTHONSAFEPATH := 1
 
 .PHONY: venv test serve lint e2e clean
 
