@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kvscale.server.model_config import ModelConfig, parse_dtype
 
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)

@@ -8,12 +8,14 @@ safetensors; the tokenizer is Mistral's 32k SentencePiece model shipped inside t
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvscale.server.model_config import parse_dtype
 
 CHAT_TEMPLATE = (
@@ -54,9 +56,11 @@ SIZES: dict[str, dict[str, Any]] = {
 
 
 def _sentencepiece_file() -> Path:
-    import mistral_common
-
-    path = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    # Located without importing mistral_common (whose imports we do not need).
+    spec = importlib.util.find_spec("mistral_common")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the demo tokenizer needs the mistral-common package installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "tokenizer.model.v1"
     if not path.is_file():
         raise FileNotFoundError(f"mistral-common does not ship {path.name} at {path}")
     return path

@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from kvscale.server.model_config import CheckpointError, ModelConfig
-from kvscale.server.models.registry import model_class
 from safetensors import safe_open
 from torch import nn
+
+from kvscale.server.model_config import CheckpointError, ModelConfig
+from kvscale.server.models.registry import model_class
 
 
 def safetensors_files(path: Path) -> list[Path]:

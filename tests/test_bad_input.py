@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
+
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.model_config import CheckpointError
-from safetensors.torch import load_file, save_file
 
 
 def test_path_that_does_not_exist(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvscale.server.engine.block_manager import BlockError, BlockManager
 
 OPS = st.lists(

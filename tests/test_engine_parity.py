@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from kvscale.server import LLM, SamplingParams
 
+from kvscale.server import LLM, SamplingParams
 from tests.conftest import LLAMA3_SCALING
 from tests.hf_reference import hf_greedy, random_prompts
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvscale.server import LLM, SamplingParams
 
+from kvscale.server import LLM, SamplingParams
 from tests.hf_reference import random_prompts
 
 PROMPTS = random_prompts(8, (4, 40), seed=7)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+
 from kvscale.server.attention.metadata import AttentionMetadata
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.metadata import AttentionMetadata
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.block_manager import BlockManager
 from kvscale.server.engine.detokenizer import IncrementalDetokenizer

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kvscale.server.attention.backend import get_backend
 from kvscale.server.attention.metadata import AttentionMetadata
 from kvscale.server.engine.scheduler import ScheduledBatch

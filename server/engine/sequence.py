@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from kvscale.server.outputs import Logprob
 from kvscale.server.sampling_params import SamplingParams
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from kvscale.server.layers import ops
 from torch import nn
+
+from kvscale.server.layers import ops
 
 
 class SiluAndMul(nn.Module):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from kvscale.server.forward_context import get_forward_context
 from torch import nn
+
+from kvscale.server.forward_context import get_forward_context
 
 
 class Attention(nn.Module):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvscale.server.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from torch import nn
+
+from kvscale.server.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvscale.server.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from torch import nn
+
+from kvscale.server.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
 def _divide(n: int, d: int, what: str) -> int:

@@ -6,8 +6,9 @@ import math
 from typing import Any
 
 import torch
-from kvscale.server.layers import ops
 from torch import nn
+
+from kvscale.server.layers import ops
 
 
 def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+
 from kvscale.server.layers.activation import SiluAndMul
 from kvscale.server.layers.attention import Attention
 from kvscale.server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -21,7 +23,6 @@ from kvscale.server.layers.linear import (
 )
 from kvscale.server.layers.rotary import RotaryEmbedding
 from kvscale.server.model_config import CheckpointError, ModelConfig
-from torch import nn
 
 
 class LlamaAttention(nn.Module):

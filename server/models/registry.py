@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from kvscale.server.model_config import ModelConfig
 from kvscale.server.models.llama import LlamaForCausalLM
-from torch import nn
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -1,0 +1,58 @@
+"""Attention through the Triton kernels of ``kvscale.kernels`` (the GPU path)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvscale.kernels.kv_cache import write_kv_cache
+from kvscale.kernels.paged_decode import paged_decode_attention
+from kvscale.kernels.paged_prefill import paged_prefill_attention
+from kvscale.server.attention.backend import AttentionBackend
+from kvscale.server.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decode-only steps use the paged decode kernel (split-KV chosen automatically);
+    steps with any prefill chunk use the variable-length prefill/extend kernel, which
+    also handles the decode rows of a mixed batch."""
+
+    name = "triton"
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.is_decode_only:
+            return paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                max_seq_len=meta.max_seq_len,
+            )
+        return paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            scale,
+        )
