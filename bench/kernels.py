@@ -1,0 +1,468 @@
+"""Benchmarks the Triton kernels at Llama-3.1-8B shapes on one CUDA GPU.
+
+Each kernel is first checked against its torch reference (bf16, relative error
+``||out - ref|| / ||ref|| < 2e-2``), then timed with ``triton.testing.do_bench`` (median).
+Achieved bandwidth (bytes moved / time) or TFLOP/s is printed next to ceilings measured in
+the same run: a large device-to-device copy (bytes read + written / time) and an 8192^3 bf16
+matmul. Results go to ``<out-dir>/kernels.json`` and ``<out-dir>/kernels.md``.
+
+    python bench/kernels.py [--out-dir bench/results] [--quick]
+
+Importing this module needs neither CUDA nor Triton; the byte/FLOP arithmetic and the
+table formatting are plain functions (tested on CPU by tests/test_bench_kernels.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Llama-3.1-8B
+NUM_HEADS = 32
+NUM_KV_HEADS = 8
+HEAD_DIM = 128
+HIDDEN = 4096
+INTERMEDIATE = 14336
+ROPE_THETA = 500000.0
+ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+ELEMENTWISE_TOKENS = 8192
+MAX_REL_ERROR = 2e-2
+
+COPY = "copy"
+MATMUL = "matmul"
+
+# (name, ceiling, target, target is a fraction of the ceiling)
+TARGETS: dict[str, tuple[str, float, bool]] = {
+    "paged_decode": (COPY, 0.80, True),
+    "paged_decode_split": (COPY, 0.70, True),
+    "paged_prefill": (MATMUL, 300.0, False),
+    "rms_norm": (COPY, 0.75, True),
+    "fused_add_rms_norm": (COPY, 0.75, True),
+    "rotary_embedding": (COPY, 0.75, True),
+    "silu_and_mul": (COPY, 0.75, True),
+    "write_kv_cache": (COPY, 0.75, True),
+}
+
+
+# --------------------------------------------------------------------------- arithmetic
+def decode_bytes(
+    batch: int,
+    context_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    elem_bytes: int,
+) -> int:
+    """K and V read for every cached token, q read, output written."""
+    kv = 2 * batch * context_len * num_kv_heads * head_dim * elem_bytes
+    q_and_out = 2 * batch * num_heads * head_dim * elem_bytes
+    return kv + q_and_out
+
+
+def causal_pairs(seq_len: int) -> int:
+    """(query, key) pairs of a causal self-attention over ``seq_len`` tokens."""
+    return seq_len * (seq_len + 1) // 2
+
+
+def prefill_flops(seq_lens: list[int], num_heads: int, head_dim: int) -> int:
+    """Causal attention FLOPs: QK^T and PV, 2 FLOPs per multiply-add, over visible pairs."""
+    return sum(4 * causal_pairs(n) * num_heads * head_dim for n in seq_lens)
+
+
+def rms_norm_bytes(tokens: int, hidden: int, elem_bytes: int) -> int:
+    """Read x and weight, write out."""
+    return (2 * tokens * hidden + hidden) * elem_bytes
+
+
+def fused_add_rms_norm_bytes(tokens: int, hidden: int, elem_bytes: int) -> int:
+    """Read x, residual and weight; write residual and x."""
+    return (4 * tokens * hidden + hidden) * elem_bytes
+
+
+def rotary_bytes(
+    tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int
+) -> int:
+    """Read and write q and k; read an fp32 cos/sin row and an int64 position per token."""
+    qk = 2 * tokens * (num_heads + num_kv_heads) * head_dim * elem_bytes
+    return qk + tokens * (head_dim * 4 + 8)
+
+
+def silu_and_mul_bytes(tokens: int, intermediate: int, elem_bytes: int) -> int:
+    """Read ``[T, 2I]``, write ``[T, I]``."""
+    return 3 * tokens * intermediate * elem_bytes
+
+
+def write_kv_cache_bytes(tokens: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Read new K and V, write them to the cache, read an int64 slot per token."""
+    return 4 * tokens * num_kv_heads * head_dim * elem_bytes + 8 * tokens
+
+
+def copy_bytes(nbytes: int) -> int:
+    """A device-to-device copy of ``nbytes`` reads and writes ``nbytes`` each."""
+    return 2 * nbytes
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    return 2 * m * n * k
+
+
+def gb_per_s(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def tflop_per_s(flops: int, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------- results
+@dataclass
+class Result:
+    name: str
+    shape: str
+    ms: float
+    value: float  # GB/s or TFLOP/s
+    unit: str
+    ceiling_name: str
+    ceiling: float  # same unit as value
+    target: float  # a fraction of the ceiling, or an absolute value in `unit`
+    target_is_fraction: bool
+    rel_error: float
+    fraction: float = field(init=False)
+    passed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fraction = self.value / self.ceiling if self.ceiling > 0 else 0.0
+        reached = self.fraction if self.target_is_fraction else self.value
+        self.passed = reached >= self.target and self.rel_error < MAX_REL_ERROR
+
+
+def make_result(
+    name: str, shape: str, ms: float, amount: int, rel_error: float, ceilings: dict[str, float]
+) -> Result:
+    """``amount`` is bytes for bandwidth-bound kernels, FLOPs for the matmul-bound ones."""
+    ceiling_name, target, is_fraction = TARGETS[name]
+    if ceiling_name == MATMUL:
+        value, unit = tflop_per_s(amount, ms), "TFLOP/s"
+    else:
+        value, unit = gb_per_s(amount, ms), "GB/s"
+    return Result(
+        name,
+        shape,
+        ms,
+        value,
+        unit,
+        ceiling_name,
+        ceilings[ceiling_name],
+        target,
+        is_fraction,
+        rel_error,
+    )
+
+
+def format_target(r: Result) -> str:
+    if r.target_is_fraction:
+        return f">= {r.target:.0%} of {r.ceiling_name}"
+    return f">= {r.target:g} {r.unit}"
+
+
+def format_markdown(meta: dict[str, Any], ceilings: dict[str, float], results: list[Result]) -> str:
+    """The results as a Markdown report (header lines, ceilings, one table row per kernel)."""
+    lines = [
+        "# Kernel benchmarks",
+        "",
+        f"- GPU: {meta.get('gpu', '?')}",
+        f"- torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}",
+        f"- date: {meta.get('date', '?')}" + (" (quick run)" if meta.get("quick") else ""),
+        "",
+        "Ceilings measured in the same run:",
+        "",
+        f"- copy: {ceilings.get(COPY, 0.0):.1f} GB/s (device-to-device, bytes read + written)",
+        f"- matmul: {ceilings.get(MATMUL, 0.0):.1f} TFLOP/s (8192^3 bf16)",
+        "",
+        "| kernel | shape | time (us) | achieved | ceiling | fraction | target | rel. error "
+        "| status |",
+        "|---|---|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in results:
+        status = "pass" if r.passed else "miss"
+        if r.rel_error >= MAX_REL_ERROR:
+            status = "WRONG"
+        lines.append(
+            f"| {r.name} | {r.shape} | {r.ms * 1e3:.1f} | {r.value:.1f} {r.unit} "
+            f"| {r.ceiling:.1f} {r.unit} ({r.ceiling_name}) | {r.fraction:.1%} "
+            f"| {format_target(r)} | {r.rel_error:.1e} | {status} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def to_json(meta: dict[str, Any], ceilings: dict[str, float], results: list[Result]) -> str:
+    return json.dumps(
+        {"meta": meta, "ceilings": ceilings, "results": [asdict(r) for r in results]}, indent=2
+    )
+
+
+# --------------------------------------------------------------------------- GPU runs
+class Bench:
+    def __init__(self, quick: bool) -> None:
+        import triton.testing
+
+        self.quick = quick
+        self._do_bench = triton.testing.do_bench
+        self.device = torch.device("cuda")
+        self.dtype = torch.bfloat16
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        warmup, rep = (5, 20) if self.quick else (25, 200)
+        return float(self._do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+    def copy_gb_per_s(self) -> float:
+        nbytes = (256 if self.quick else 1024) << 20
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device).random_(0, 255)
+        dst = torch.empty_like(src)
+        return gb_per_s(copy_bytes(nbytes), self.time_ms(lambda: dst.copy_(src)))
+
+    def matmul_tflop_per_s(self, n: int = 8192) -> float:
+        a = torch.randn(n, n, dtype=self.dtype, device=self.device)
+        b = torch.randn(n, n, dtype=self.dtype, device=self.device)
+        return tflop_per_s(matmul_flops(n, n, n), self.time_ms(lambda: torch.matmul(a, b)))
+
+    def ceilings(self) -> dict[str, float]:
+        return {COPY: self.copy_gb_per_s(), MATMUL: self.matmul_tflop_per_s()}
+
+    def decode(
+        self, batch: int, context: int, block_size: int, ceilings: dict[str, float], name: str
+    ) -> Result:
+        from kvscale.kernels import paged_decode as pd
+        from kvscale.kernels.testing import random_paged_kv, rel_error
+
+        kv = random_paged_kv(
+            [context] * batch,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            block_size,
+            self.dtype,
+            self.device,
+            garbage=None,
+        )
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=self.dtype, device=self.device)
+        out = torch.empty_like(q)
+        scale = HEAD_DIM**-0.5
+        splits = pd.choose_num_splits(batch, NUM_KV_HEADS, context, pd.num_sms(self.device))
+
+        def run() -> torch.Tensor:
+            return pd.paged_decode_attention(
+                q,
+                kv.k_cache,
+                kv.v_cache,
+                kv.block_tables,
+                kv.seq_lens,
+                scale,
+                out=out,
+                max_seq_len=context,
+            )
+
+        err = rel_error(
+            run(),
+            pd.paged_decode_attention_ref(
+                q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale
+            ),
+        )
+        ms = self.time_ms(run)
+        nbytes = decode_bytes(batch, context, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 2)
+        shape = f"B={batch} ctx={context} block={block_size} splits={splits}"
+        return make_result(name, shape, ms, nbytes, err, ceilings)
+
+    def prefill(self, num_seqs: int, seq_len: int, ceilings: dict[str, float]) -> Result:
+        from kvscale.kernels import paged_prefill as pp
+        from kvscale.kernels.testing import random_paged_kv, rel_error
+
+        block_size = 16
+        kv = random_paged_kv(
+            [seq_len] * num_seqs,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            block_size,
+            self.dtype,
+            self.device,
+            garbage=None,
+        )
+        q = torch.randn(
+            num_seqs * seq_len, NUM_HEADS, HEAD_DIM, dtype=self.dtype, device=self.device
+        )
+        qsl = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len
+        out = torch.empty_like(q)
+        args = (
+            q,
+            kv.k_cache,
+            kv.v_cache,
+            qsl,
+            kv.seq_lens,
+            kv.block_tables,
+            seq_len,
+            HEAD_DIM**-0.5,
+        )
+
+        def run() -> torch.Tensor:
+            return pp.paged_prefill_attention(*args, out=out)
+
+        err = rel_error(run(), pp.paged_prefill_attention_ref(*args))
+        ms = self.time_ms(run)
+        flops = prefill_flops([seq_len] * num_seqs, NUM_HEADS, HEAD_DIM)
+        shape = f"{num_seqs} seqs x {seq_len} tokens, causal, block={block_size}"
+        return make_result("paged_prefill", shape, ms, flops, err, ceilings)
+
+    def elementwise(self, ceilings: dict[str, float]) -> list[Result]:
+        from kvscale.kernels import activation, kv_cache, rmsnorm, rotary
+        from kvscale.kernels.testing import rel_error
+
+        t, dev, dtype = ELEMENTWISE_TOKENS, self.device, self.dtype
+        results = []
+
+        x = torch.randn(t, HIDDEN, dtype=dtype, device=dev)
+        w = torch.randn(HIDDEN, dtype=dtype, device=dev)
+        err = rel_error(rmsnorm.rms_norm(x, w, 1e-5), rmsnorm.rms_norm_ref(x, w, 1e-5))
+        ms = self.time_ms(lambda: rmsnorm.rms_norm(x, w, 1e-5))
+        results.append(
+            make_result(
+                "rms_norm", f"T={t} H={HIDDEN}", ms, rms_norm_bytes(t, HIDDEN, 2), err, ceilings
+            )
+        )
+
+        res = torch.randn_like(x)
+        xk, rk, xr, rr = x.clone(), res.clone(), x.clone(), res.clone()
+        rmsnorm.fused_add_rms_norm(xk, rk, w, 1e-5)
+        rmsnorm.fused_add_rms_norm_ref(xr, rr, w, 1e-5)
+        err = max(rel_error(xk, xr), rel_error(rk, rr))
+        ms = self.time_ms(lambda: rmsnorm.fused_add_rms_norm(xk, rk, w, 1e-5))
+        results.append(
+            make_result(
+                "fused_add_rms_norm",
+                f"T={t} H={HIDDEN}",
+                ms,
+                fused_add_rms_norm_bytes(t, HIDDEN, 2),
+                err,
+                ceilings,
+            )
+        )
+
+        cache = rotary.compute_cos_sin_cache(HEAD_DIM, 131072, ROPE_THETA, ROPE_SCALING).to(dev)
+        pos = torch.randint(0, 131072, (t,), device=dev)
+        q = torch.randn(t, NUM_HEADS, HEAD_DIM, dtype=dtype, device=dev)
+        k = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=dev)
+        qk, kk, qr, kr = q.clone(), k.clone(), q.clone(), k.clone()
+        rotary.rotary_embedding(pos, qk, kk, cache)
+        rotary.rotary_embedding_ref(pos, qr, kr, cache)
+        err = max(rel_error(qk, qr), rel_error(kk, kr))
+        ms = self.time_ms(lambda: rotary.rotary_embedding(pos, q, k, cache))
+        results.append(
+            make_result(
+                "rotary_embedding",
+                f"T={t} Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM}",
+                ms,
+                rotary_bytes(t, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 2),
+                err,
+                ceilings,
+            )
+        )
+
+        g = torch.randn(t, 2 * INTERMEDIATE, dtype=dtype, device=dev)
+        err = rel_error(activation.silu_and_mul(g), activation.silu_and_mul_ref(g))
+        ms = self.time_ms(lambda: activation.silu_and_mul(g))
+        results.append(
+            make_result(
+                "silu_and_mul",
+                f"T={t} I={INTERMEDIATE}",
+                ms,
+                silu_and_mul_bytes(t, INTERMEDIATE, 2),
+                err,
+                ceilings,
+            )
+        )
+
+        block_size = 16
+        num_blocks = 2 * t // block_size
+        shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        kc = torch.randn(shape, dtype=dtype, device=dev)
+        vc = torch.randn_like(kc)
+        kn = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=dev)
+        vn = torch.randn_like(kn)
+        blocks = torch.randperm(num_blocks, device=dev)[: t // block_size]
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=dev)).flatten()
+        kc2, vc2 = kc.clone(), vc.clone()
+        kv_cache.write_kv_cache(kn, vn, kc, vc, slots)
+        kv_cache.write_kv_cache_ref(kn, vn, kc2, vc2, slots)
+        err = max(rel_error(kc, kc2), rel_error(vc, vc2))
+        ms = self.time_ms(lambda: kv_cache.write_kv_cache(kn, vn, kc, vc, slots))
+        results.append(
+            make_result(
+                "write_kv_cache",
+                f"T={t} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={block_size}",
+                ms,
+                write_kv_cache_bytes(t, NUM_KV_HEADS, HEAD_DIM, 2),
+                err,
+                ceilings,
+            )
+        )
+        return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    bench = Bench(args.quick)
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+    }
+    ceilings = bench.ceilings()
+    print(f"copy {ceilings[COPY]:.1f} GB/s, matmul {ceilings[MATMUL]:.1f} TFLOP/s", flush=True)
+    results: list[Result] = []
+    cases: list[Callable[[], list[Result]]] = [
+        lambda: [bench.decode(64, 4096, 16, ceilings, "paged_decode")],
+        lambda: [bench.decode(1, 32768, 16, ceilings, "paged_decode_split")],
+        lambda: [bench.prefill(8, 2048, ceilings)],
+        lambda: bench.elementwise(ceilings),
+    ]
+    for case in cases:
+        for r in case():
+            results.append(r)
+            print(
+                f"{r.name:20s} {r.value:9.1f} {r.unit:8s} {r.fraction:6.1%} of {r.ceiling_name}"
+                f"  target {format_target(r)}  rel.err {r.rel_error:.1e}"
+                f"  {'pass' if r.passed else 'miss'}",
+                flush=True,
+            )
+        torch.cuda.empty_cache()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "kernels.json").write_text(to_json(meta, ceilings, results) + "\n")
+    (args.out_dir / "kernels.md").write_text(format_markdown(meta, ceilings, results))
+    print(f"wrote {args.out_dir / 'kernels.json'} and {args.out_dir / 'kernels.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

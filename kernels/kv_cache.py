@@ -1,0 +1,125 @@
+"""Scatter a step's new K/V into the paged KV cache (K and V in one launch).
+
+Layouts:
+    k, v:          ``[T, num_kv_heads, head_dim]`` (any float dtype; last dim contiguous)
+    k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous
+    slot_mapping:  ``[T]`` int64, slot = ``block_id * block_size + offset_in_block``;
+                   a negative slot means "do not write" (padding).
+Values are cast to the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvscale.kernels._utils import next_power_of_2
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_tokens,
+    num_slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pb = tl.program_id(1)
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    row = NUM_KV_HEADS * HEAD_DIM
+    offs = pb * BLOCK + tl.arange(0, BLOCK)
+    head = offs // HEAD_DIM
+    d = offs % HEAD_DIM
+    mask = (offs < row) & (slot >= 0) & (slot < num_slots) & (t < num_tokens)
+    dst = slot * row + offs
+    k = tl.load(k_ptr + t * stride_kt + head * stride_kh + d, mask=mask, other=0.0)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + head * stride_vh + d, mask=mask, other=0.0)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"k, v must be [T, Hkv, D] of one shape, got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache, v_cache must be [num_blocks, block_size, Hkv, D] of one shape")
+    if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} != {tuple(k.shape[1:])}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={k.shape[0]}], got {tuple(slot_mapping.shape)}")
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes ``k[t], v[t]`` to slot ``slot_mapping[t]`` of ``k_cache, v_cache`` (skips < 0)."""
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    row = num_kv_heads * head_dim
+    block = min(next_power_of_2(row), 4096)
+    grid = (num_tokens, triton.cdiv(row, block))
+    _write_kv_cache_kernel[grid](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_tokens,
+        num_slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
+def write_kv_cache_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Pure-torch reference of :func:`write_kv_cache`."""
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_kv_heads, head_dim = k.shape[1:]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)

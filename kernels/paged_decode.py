@@ -1,0 +1,364 @@
+"""Paged decode attention: one query token per sequence against its cached K/V.
+
+Layouts:
+    q:            ``[B, num_heads, head_dim]`` fp16 / bf16 / fp32 (last dim contiguous)
+    k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, q's dtype
+    block_tables: ``[B, max_blocks_per_seq]`` int32; entries past a sequence's blocks are never read
+    seq_lens:     ``[B]`` int32, tokens in the cache for each sequence (including the new one)
+    out:          ``[B, num_heads, head_dim]`` in q's dtype
+
+GQA: query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``. One program handles
+one (sequence, kv head) and all query heads of that group (padded to >= 16 rows for
+``tl.dot``), so every K/V block is loaded once per group. Scores, softmax statistics and the
+output accumulator are fp32 (online softmax, exp2 domain); ``tl.dot`` takes its operands in
+the storage dtype (16-bit products are exact, accumulation is fp32; fp32 operands use IEEE
+precision). ``head_dim`` and ``block_size`` must be powers of two (>= 16 and >= 1).
+
+Split-KV (flash-decoding): with ``num_splits > 1`` each sequence's context is cut into
+``num_splits`` chunks processed by separate programs that write partial (max, sum, acc) to
+fp32 scratch; a second kernel merges them. :func:`choose_num_splits` picks the count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvscale.kernels._utils import (
+    dot_precision,
+    is_interpreter,
+    is_power_of_2,
+    next_power_of_2,
+    num_sms,
+)
+
+LOG2E = 1.4426950408889634
+
+# Split-KV policy (see choose_num_splits).
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+TARGET_WAVES = 2
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many chunks to split each sequence's context into (1 = no split).
+
+    Without splitting there are ``batch * num_kv_heads`` programs. When that already fills
+    the GPU (>= ``num_sms``), or contexts are short, splitting only adds a reduction pass.
+    Otherwise aim for about ``TARGET_WAVES * num_sms`` programs, keeping at least
+    ``MIN_TOKENS_PER_SPLIT`` tokens per chunk and at most ``MAX_SPLITS`` chunks.
+    """
+    programs = max(1, batch * num_kv_heads)
+    if programs >= num_sms or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1
+    by_occupancy = math.ceil(TARGET_WAVES * num_sms / programs)
+    by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def decode_config(head_dim: int, block_size: int) -> dict[str, int]:
+    """Tile size (tokens per iteration, built from several cache blocks) and launch options.
+
+    Hopper defaults on CUDA; small tiles under the Triton interpreter.
+    """
+    if is_interpreter():
+        return {"BLOCK_N": max(16, min(block_size, 32)), "num_warps": 4, "num_stages": 1}
+    block_n = 64 if head_dim <= 128 else 32
+    return {"BLOCK_N": max(block_n, min(block_size, 128)), "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    scale_log2e,
+    num_seqs,
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_bt,
+    stride_kblk,
+    stride_ktok,
+    stride_khead,
+    QG: tl.constexpr,
+    QG_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b, mask=b < num_seqs, other=0)
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = s * per_split
+        end = tl.minimum(start + per_split, seq_len)
+    else:
+        start = 0
+        end = seq_len
+
+    offs_g = tl.arange(0, QG_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = g * QG + offs_g
+    row_mask = offs_g < QG
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([QG_PAD], tl.float32)
+    acc = tl.zeros([QG_PAD, HEAD_DIM], tl.float32)
+    kv_head_off = g * stride_khead
+    for tok0 in range(start, end, BLOCK_N):
+        offs_n = tok0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blk = tl.load(
+            block_tables_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
+        ).to(tl.int64)
+        tok_off = blk * stride_kblk + (offs_n % BLOCK_SIZE) * stride_ktok + kv_head_off
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        part = (b * num_heads + heads) * NUM_SPLITS + s
+        tl.store(m_ptr + part, m_i, mask=row_mask)
+        tl.store(l_ptr + part, l_i, mask=row_mask)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+    else:
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
+
+@triton.jit
+def _split_reduce_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    num_seqs,
+    num_heads,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = (offs_s < NUM_SPLITS) & (b < num_seqs)
+    d_mask = offs_d < HEAD_DIM
+    part = (b * num_heads + h) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(
+        acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)
+    has = m > float("-inf")
+    w = tl.where(has, tl.exp2(tl.where(has, m, 0.0) - tl.where(has, m_max, 0.0)), 0.0)
+    den = tl.sum(w * l_s, 0)
+    num = tl.sum(w[:, None] * acc, 0)
+    o = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d_mask & (b < num_seqs),
+    )
+
+
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("expected q [B, Hq, D] and k_cache, v_cache [blocks, block_size, Hkv, D]")
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
+        raise ValueError("block_tables must be [B, max_blocks_per_seq]")
+    if seq_lens.shape != (q.shape[0],):
+        raise ValueError("seq_lens must be [B]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged cache; returns ``out [B, Hq, D]`` (q's dtype).
+
+    ``num_splits``: None chooses with :func:`choose_num_splits`, using ``max_seq_len`` (or,
+    without it, the block table's capacity, so no device sync is needed).
+    """
+    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if not (is_power_of_2(head_dim) and head_dim >= 16 and is_power_of_2(block_size)):
+        raise ValueError(
+            f"head_dim ({head_dim}) and block_size ({block_size}) must be powers "
+            "of two, head_dim >= 16"
+        )
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError("out must be [B, Hq, D] with a contiguous last dim")
+    if batch == 0:
+        return out
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    if num_splits is None:
+        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, num_kv_heads, bound, num_sms(q.device))
+    num_splits = max(1, int(num_splits))
+
+    qg = num_heads // num_kv_heads
+    cfg = decode_config(head_dim, block_size)
+    split = num_splits > 1
+    if split:
+        m_buf = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        l_buf = torch.empty_like(m_buf)
+        acc_buf = torch.empty(
+            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+    else:
+        m_buf = l_buf = acc_buf = out  # unused placeholders
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        m_buf,
+        l_buf,
+        acc_buf,
+        scale * LOG2E,
+        batch,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        QG=qg,
+        QG_PAD=max(16, next_power_of_2(qg)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=cfg["BLOCK_N"],
+        NUM_SPLITS=num_splits,
+        SPLIT=split,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if split:
+        _split_reduce_kernel[(batch, num_heads)](
+            m_buf,
+            l_buf,
+            acc_buf,
+            out,
+            batch,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[seq_len, Hkv, D]``: one sequence's tokens, read through its block table row."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Pure-torch reference (fp32 softmax); ``num_splits``/``max_seq_len`` are ignored."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    num_heads = q.shape[1]
+    group = num_heads // k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            out[b] = 0
+            continue
+        k = gather_kv(k_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("hl,lhd->hd", probs, v).to(out.dtype)
+    return out

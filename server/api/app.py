@@ -1,0 +1,351 @@
+"""The FastAPI application: OpenAI routes, health, readiness, metrics.
+
+``create_app(settings, engine_factory)`` returns an app whose lifespan builds the engine
+in a background thread (the server answers ``/health`` meanwhile), starts the engine
+loop, runs one short warm-up generation and only then reports ``/ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvscale import __version__
+from kvscale.server.api.errors import error_response, install_error_handlers
+from kvscale.server.api.lifecycle import Lifecycle
+from kvscale.server.api.metrics import ServerMetrics
+from kvscale.server.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from kvscale.server.api.serving_chat import create_chat_completion
+from kvscale.server.api.serving_completions import create_completion
+from kvscale.server.api.state import ServerSettings, ServerState
+from kvscale.server.async_engine import AsyncEngine
+from kvscale.server.engine.llm_engine import EngineStats, LLMEngine
+from kvscale.server.sampling_params import SamplingParams
+
+log = logging.getLogger("kvscale.server")
+
+T = TypeVar("T")
+
+HEARTBEAT_TIMEOUT_S = 120.0  # /health fails if one engine iteration takes longer than this
+STATS_LOG_INTERVAL_S = 10.0  # how often a busy server logs its load
+WARMUP_PROMPT = "Hello, my name is"
+WARMUP_TOKENS = 4
+
+
+class Gate:
+    """ASGI middleware for ``/v1/*``: 503 while draining, API-key check, in-flight count."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        lc, key = self.state.lifecycle, self.state.settings.api_key
+        if lc.draining:
+            resp = error_response(
+                503, "the server is shutting down", code="draining", headers={"Connection": "close"}
+            )
+            await resp(scope, receive, send)
+            return
+        if key and not _authorized(scope, key):
+            resp = error_response(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await resp(scope, receive, send)
+            return
+        lc.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            lc.inflight -= 1
+
+
+def _authorized(scope: Scope, key: str) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and secrets.compare_digest(
+                token.strip().encode(), key.encode()
+            ):
+                return True
+    return False
+
+
+async def _in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Runs a blocking call in a daemon thread (never blocks process exit)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            result: Any = (True, fn())
+        except BaseException as e:
+            result = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:  # loop closed: the server is gone
+            pass
+
+    threading.Thread(target=run, name="kvscale-load", daemon=True).start()
+    return await fut
+
+
+def _subtract(s: EngineStats, base: EngineStats | None) -> EngineStats:
+    """Counters net of the warm-up request, so /metrics counts client traffic only."""
+    if base is None:
+        return s
+    finished = {k: v - base.finished.get(k, 0) for k, v in s.finished.items()}
+    return dataclasses.replace(
+        s,
+        prompt_tokens=s.prompt_tokens - base.prompt_tokens,
+        generation_tokens=s.generation_tokens - base.generation_tokens,
+        num_preemptions=s.num_preemptions - base.num_preemptions,
+        finished={k: v for k, v in finished.items() if v},
+    )
+
+
+async def _start_engine(state: ServerState, factory: Callable[[], LLMEngine]) -> None:
+    lc, settings = state.lifecycle, state.settings
+    try:
+        t0 = time.perf_counter()
+        log.info("[1/3] loading model %s ...", settings.model_path or settings.model_name)
+        engine = await _in_daemon_thread(factory)
+        stats = engine.stats()
+        log.info(
+            "[2/3] model loaded in %.1fs: %s on %s, %s, max_model_len %d, KV cache %d blocks "
+            "x %d tokens",
+            time.perf_counter() - t0,
+            engine.model_config.architecture,
+            engine.device,
+            str(engine.dtype).removeprefix("torch."),
+            engine.max_model_len,
+            stats.kv_blocks_total,
+            engine.config.block_size,
+        )
+        aeng = AsyncEngine(engine, settings.max_queue_len)
+        aeng.start()
+        state.engine = aeng
+        base: list[EngineStats | None] = [None]
+        state.metrics.bind_stats(lambda: (_subtract(aeng.stats(), base[0]), aeng.num_waiting))
+        lc.loaded = True
+        if settings.warmup:
+            t1 = time.perf_counter()
+            log.info("[3/3] warming up ...")
+            params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+            ids = aeng.tokenize(WARMUP_PROMPT)
+            async for _ in aeng.generate("warmup-0", ids, params):
+                pass
+            log.info("[3/3] warm-up done in %.2fs", time.perf_counter() - t1)
+        base[0] = aeng.stats()
+        aeng.observer = state.metrics.timer
+        lc.warmed_up = True
+        log.info("ready: serving %s", ", ".join(settings.served_model_names))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.error("start-up failed: %s: %s", type(e).__name__, e)
+        lc.fail(f"{type(e).__name__}: {e}")
+
+
+async def _log_stats(state: ServerState) -> None:
+    last: EngineStats | None = None
+    last_t = time.monotonic()
+    while True:
+        await asyncio.sleep(STATS_LOG_INTERVAL_S)
+        eng = state.engine
+        if eng is None:
+            continue
+        s, now = eng.stats(), time.monotonic()
+        if last is not None and (
+            s.generation_tokens != last.generation_tokens or s.num_running or s.num_waiting
+        ):
+            dt = max(now - last_t, 1e-9)
+            log.info(
+                "running %d, waiting %d, KV cache %.1f%% used, prompt %.1f tok/s, "
+                "generation %.1f tok/s",
+                s.num_running,
+                eng.num_waiting,
+                100 * s.kv_cache_usage,
+                (s.prompt_tokens - last.prompt_tokens) / dt,
+                (s.generation_tokens - last.generation_tokens) / dt,
+            )
+        last, last_t = s, now
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The schema, with our 400 in place of FastAPI's 422 (we never answer 422)."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                responses = op.get("responses", {})
+                if "422" in responses:
+                    del responses["422"]
+                    responses["400"] = {
+                        "description": "Invalid request (OpenAI error shape)",
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/ErrorResponse"}
+                            }
+                        },
+                    }
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        comps.pop("HTTPValidationError", None)
+        comps.pop("ValidationError", None)
+        app.openapi_schema = schema
+        return schema
+
+    return build
+
+
+def create_app(settings: ServerSettings, engine_factory: Callable[[], LLMEngine]) -> FastAPI:
+    """The ASGI app. ``engine_factory`` builds the LLMEngine (it runs in a thread)."""
+    state = ServerState(
+        settings=settings,
+        lifecycle=Lifecycle(settings.drain_timeout),
+        metrics=ServerMetrics(settings.model_name),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = [
+            asyncio.create_task(_start_engine(state, engine_factory)),
+            asyncio.create_task(_log_stats(state)),
+        ]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            if state.engine is not None:
+                await asyncio.to_thread(state.engine.shutdown, 10.0)
+
+    app = FastAPI(
+        title="kvscale",
+        version=__version__,
+        description="OpenAI-compatible LLM inference server",
+        lifespan=lifespan,
+    )
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(Gate, state=state)
+    errors: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorResponse} for code in (401, 404, 429, 503)
+    }
+
+    @app.get("/health", tags=["lifecycle"])
+    async def health() -> JSONResponse:
+        """Liveness: 200 while the engine loop is alive (or the model is still loading)."""
+        lc, eng = state.lifecycle, state.engine
+        if lc.fatal_error:
+            return JSONResponse({"status": "failed", "reason": lc.fatal_error}, 503)
+        if eng is None:
+            return JSONResponse({"status": "loading"})
+        if not eng.is_alive():
+            return JSONResponse({"status": "dead", "reason": "engine loop stopped"}, 503)
+        stale = eng.seconds_since_heartbeat()
+        if stale > HEARTBEAT_TIMEOUT_S:
+            return JSONResponse(
+                {"status": "stuck", "reason": f"no engine iteration for {stale:.0f}s"}, 503
+            )
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready", tags=["lifecycle"])
+    async def ready() -> JSONResponse:
+        """Readiness: 200 once loaded and warmed up, 503 while loading or draining."""
+        lc = state.lifecycle
+        if lc.ready and state.engine is not None and state.engine.is_alive():
+            return JSONResponse({"status": "ready"})
+        if lc.fatal_error:
+            status = "failed"
+        elif lc.draining:
+            status = "draining"
+        elif not lc.loaded:
+            status = "loading"
+        elif not lc.warmed_up:
+            status = "warming_up"
+        else:
+            status = "engine_dead"
+        return JSONResponse({"status": status}, 503)
+
+    @app.get("/metrics", tags=["lifecycle"])
+    async def metrics() -> Response:
+        """Prometheus text format."""
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version", tags=["lifecycle"])
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    def card(name: str) -> ModelCard:
+        eng = state.engine
+        return ModelCard(
+            id=name,
+            root=settings.model_path or None,
+            max_model_len=eng.max_model_len if eng is not None else None,
+        )
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"], responses=errors)
+    async def list_models() -> ModelList:
+        return ModelList(data=[card(n) for n in settings.served_model_names])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, tags=["openai"], responses=errors)
+    async def get_model(model: str) -> ModelCard:
+        return card(state.check_model(model))
+
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        tags=["openai"],
+        responses={200: {"model": CompletionResponse}, **errors},
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Text completion; ``stream: true`` answers server-sent events."""
+        return await create_completion(state, body, request)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        tags=["openai"],
+        responses={200: {"model": ChatCompletionResponse}, **errors},
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Chat completion with the checkpoint's chat template; ``stream: true`` for SSE."""
+        return await create_chat_completion(state, body, request)
+
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,134 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Handlers turn request validation errors (bad fields, malformed JSON), ValueErrors from
+the engine's validation and ``APIError``s into that shape; bad input is always a 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered with ``status`` in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
+def sse_error(message: str, status: int = 500, code: str | None = None) -> str:
+    """An error event for a stream that already started (then ``data: [DONE]``)."""
+    return f"data: {json.dumps(error_body(status, message, None, code))}\n\n"
+
+
+_FIELD = re.compile(r"^([a-z_]+) must\b")
+
+
+def param_of(err: ValueError, rename: dict[str, str] | None = None) -> str | None:
+    """The field a ValueError from SamplingParams names (``"top_p must be ..."`` -> top_p)."""
+    m = _FIELD.match(str(err))
+    if not m:
+        return None
+    name = m.group(1)
+    return (rename or {}).get(name, name)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"malformed JSON body: {ctx.get('error', first.get('msg'))}", None
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value"))
+    if param is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return "the request body must be a JSON object", None
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return (f"{param}: {msg}" if param else msg) + more, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the server in OpenAI's shape."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(ValueError)
+    async def _value(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc), param_of(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(
+            exc.status_code, str(exc.detail), None, code, getattr(exc, "headers", None)
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}")

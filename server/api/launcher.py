@@ -1,0 +1,138 @@
+"""``kvscale serve``: checks the flags, then runs the app under uvicorn until drained."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+from kvscale.server.config import EngineConfig
+
+log = logging.getLogger("kvscale.server")
+
+API_KEY_ENV = "KVSCALE_API_KEY"
+GRACEFUL_CLOSE_S = 3.0  # after the drain: how long uvicorn waits for connections to close
+
+# attribute -> (flag, feature): any value but unset / false / "none" / 0 is refused for now
+_NOT_YET: dict[str, tuple[str, str]] = {
+    "enable_prefix_caching": ("--enable-prefix-caching", "prefix caching"),
+    "quantization": ("--quantization", "quantization"),
+    "speculative_model": ("--speculative-model", "speculative decoding"),
+    "num_speculative_tokens": ("--num-speculative-tokens", "speculative decoding"),
+}
+
+
+class UsageError(ValueError):
+    """A flag value the server cannot start with (exit code 2)."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Rejects flags of features that do not exist yet, and impossible values."""
+    for attr, (flag, feature) in _NOT_YET.items():
+        value = getattr(args, attr, None)
+        if value not in (None, False, 0, "none"):
+            raise UsageError(f"{flag}: {feature} is not supported yet")
+    if args.tensor_parallel_size != 1:
+        raise UsageError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
+            "supported yet (only 1)"
+        )
+    if args.kv_cache_dtype != "auto":
+        raise UsageError(
+            f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model dtype) is "
+            "supported yet"
+        )
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue_len is not None and args.max_queue_len < 1:
+        raise UsageError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    if args.drain_timeout < 0:
+        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise UsageError(f"--chat-template: no such file {args.chat_template!r}")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings (validated now; the model path is resolved when loading)."""
+    cfg = EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+    )
+    cfg.torch_device()  # a missing GPU is a usage error, found before anything loads
+    return cfg
+
+
+def _engine_factory(cfg: EngineConfig):  # type: ignore[no-untyped-def]
+    def build():  # type: ignore[no-untyped-def]
+        from kvscale.server.engine.llm_engine import LLMEngine
+        from kvscale.server.llm import resolve_model
+
+        if cfg.model == "demo":
+            log.info("[1/3] preparing the demo checkpoint (built on first use) ...")
+            t0 = time.perf_counter()
+            path = resolve_model("demo")
+            log.info("[1/3] demo checkpoint at %s (%.1fs)", path, time.perf_counter() - t0)
+        else:
+            path = resolve_model(cfg.model)
+        return LLMEngine(dataclasses.replace(cfg, model=path))
+
+    return build
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Runs until SIGTERM (drain, exit 0) or SIGINT; 1 if the model failed to load."""
+    import uvicorn
+
+    from kvscale.server.api.app import create_app
+    from kvscale.server.api.lifecycle import DrainingServer
+    from kvscale.server.api.state import ServerSettings
+
+    check_flags(args)
+    cfg = engine_config(args)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    chat_template = None
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [args.model],
+        model_path=args.model,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_queue_len=args.max_queue_len,
+        drain_timeout=args.drain_timeout,
+        warmup=not args.no_warmup,
+        chat_template=chat_template,
+    )
+    app = create_app(settings, _engine_factory(cfg))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=int(GRACEFUL_CLOSE_S),
+        access_log=args.log_level.lower() == "debug",
+    )
+    lifecycle = app.state.server.lifecycle
+    server = DrainingServer(config, lifecycle)
+    server.run()
+    if lifecycle.fatal_error:
+        print(f"kvscale serve: error: {lifecycle.fatal_error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,204 @@
+"""What completions and chat share: sampling settings, context checks, submission,
+disconnect handling and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from kvscale.server.api.errors import APIError, param_of
+from kvscale.server.api.protocol import _SamplingRequest
+from kvscale.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    QueueFullError,
+    RequestGroup,
+)
+from kvscale.server.outputs import RequestOutput
+from kvscale.server.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to this (as vLLM does)
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+RETRY_AFTER_S = "1"  # Retry-After of a 429 (seconds)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def clamp_logprob(x: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(x) or x < LOGPROB_FLOOR else float(x)
+
+
+def resolve_max_tokens(
+    max_tokens: int | None, prompt_len: int, max_model_len: int, param: str, prompt_param: str
+) -> int:
+    """Tokens to generate; 400 with both numbers when prompt + max_tokens exceed the context."""
+    if prompt_len >= max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens, which leaves no room for a completion. Please "
+            "shorten the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+            f"{param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def sampling_params(
+    req: _SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    rename: dict[str, str] | None = None,
+) -> SamplingParams:
+    """The request's SamplingParams; a 400 naming the field for any bad value."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if isinstance(temperature, float | int) and 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
+    top_k = 0 if req.top_k is None else req.top_k
+    if top_k > vocab_size:
+        top_k = vocab_size  # same distribution; keeps the value inside int64
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), param=param_of(e, rename)) from e
+
+
+def check_stream_options(req: _SamplingRequest) -> bool:
+    """Whether a usage chunk ends the stream; 400 for stream_options without stream."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def validate_prompt(engine: AsyncEngine, ids: list[int], param: str) -> None:
+    """The engine's prompt checks (empty, token ids out of vocabulary) as a 400."""
+    try:
+        engine.engine.validate_prompt(ids)
+    except ValueError as e:
+        if "max_model_len" in str(e):
+            resolve_max_tokens(None, len(ids), engine.max_model_len, "max_tokens", param)
+        raise APIError(400, str(e), param=param) from e
+
+
+async def submit(engine: AsyncEngine, requests: list[EngineRequest]) -> RequestGroup:
+    """Queues requests; 429 when the queue is full, 503 when the engine is down, 400 for
+    input the engine refuses."""
+    try:
+        group = engine.submit(requests)
+    except QueueFullError as e:
+        raise APIError(
+            429, str(e), code="queue_full", headers={"Retry-After": RETRY_AFTER_S}
+        ) from e
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from e
+    try:
+        await group.accepted()
+    except ValueError as e:
+        group.close()
+        raise APIError(400, str(e), param=param_of(e)) from e
+    except EngineDeadError as e:
+        group.close()
+        raise APIError(503, str(e), code="engine_dead") from e
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+async def collect(group: RequestGroup) -> dict[str, RequestOutput]:
+    """Runs a group to the end; returns the final output of each request. Closes it."""
+    final: dict[str, RequestOutput] = {}
+    async with group:
+        async for out in group:
+            final[out.request_id] = out
+    return final
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(awaitable: Awaitable[T], request: Request) -> T | None:
+    """Awaits ``awaitable`` unless the client disconnects first: then cancels it (which
+    aborts its requests) and returns None."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    try:
+        await task
+    except BaseException:
+        pass
+    return None
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def closing_stream(gen: AsyncIterator[str], group: RequestGroup) -> AsyncIterator[str]:
+    """Yields from ``gen``; whatever ends it (disconnect included) closes the group."""
+    try:
+        async for chunk in gen:
+            yield chunk
+    finally:
+        group.close()

@@ -1,0 +1,231 @@
+"""``POST /v1/completions``: prompts in, text (streamed or not) out.
+
+A request may carry several prompts (strings or token ids); each becomes one engine
+request with ``n`` choices, numbered ``prompt_index * n + choice``. Streams send each
+choice's new text as its own chunk, computed from the cumulative text already sent, so
+the concatenated stream equals the non-streamed text (a possible stop string is held
+back by the engine until it can no longer be one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvscale.server.api.errors import APIError, sse_error
+from kvscale.server.api.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from kvscale.server.api.serving_common import (
+    SSE_DONE,
+    check_stream_options,
+    clamp_logprob,
+    collect,
+    random_id,
+    resolve_max_tokens,
+    sampling_params,
+    sse,
+    submit,
+    unless_disconnected,
+    validate_prompt,
+)
+from kvscale.server.api.state import ServerState
+from kvscale.server.async_engine import AsyncEngine, EngineRequest, RequestGroup
+from kvscale.server.outputs import CompletionOutput, Logprob
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob]], k: int, offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """OpenAI's legacy logprobs for ``token_ids``; returns them and the next text offset.
+
+    ``top_logprobs`` holds the sampled token and the top ``k`` (vLLM's convention)."""
+    lp = CompletionLogprobs()
+    for tid, entry in zip(token_ids, entries, strict=False):
+        sampled = entry.get(tid)
+        tok = (sampled.decoded_token if sampled else None) or ""
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(clamp_logprob(sampled.logprob) if sampled else None)
+        top = {tok: clamp_logprob(sampled.logprob)} if sampled else {}
+        for t, e in entry.items():
+            if t != tid and e.rank <= k:
+                top.setdefault(e.decoded_token or "", clamp_logprob(e.logprob))
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    return lp, offset
+
+
+def _prompts(req: CompletionRequest, engine: AsyncEngine) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt, and its text (for echo)."""
+    p = req.prompt
+    if isinstance(p, str):
+        raw: list[str | list[int]] = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        raw = [list(p)]  # type: ignore[arg-type]
+    else:
+        raw = list(p)  # type: ignore[arg-type]
+    if not raw:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    ids_list, texts = [], []
+    for item in raw:
+        ids = engine.tokenize(item) if isinstance(item, str) else list(item)
+        validate_prompt(engine, ids, "prompt")
+        ids_list.append(ids)
+        texts.append(item if isinstance(item, str) else "")
+    return ids_list, texts
+
+
+def _check_unsupported(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    engine = state.require_engine()
+    model = state.check_model(req.model)
+    _check_unsupported(req)
+    include_usage = check_stream_options(req)
+    prompts, texts = _prompts(req, engine)
+    vocab = engine.vocab_size
+    rid = random_id("cmpl")
+    reqs = []
+    for i, ids in enumerate(prompts):
+        max_tokens = resolve_max_tokens(
+            req.max_tokens, len(ids), engine.max_model_len, "max_tokens", "prompt"
+        )
+        params = sampling_params(req, max_tokens, req.logprobs, vocab)
+        reqs.append(EngineRequest(f"{rid}-{i}", ids, params))
+    echo = None
+    if req.echo:
+        echo = [t or engine.detokenize(ids) for t, ids in zip(texts, prompts, strict=True)]
+    group = await submit(engine, reqs)
+    created = int(time.time())
+    if req.stream:
+        return StreamingResponse(
+            _stream(group, rid, model, created, req, echo, include_usage),
+            media_type="text/event-stream",
+        )
+    final = await unless_disconnected(collect(group), raw)
+    if final is None:  # the client went away; its requests were aborted
+        return Response(status_code=499)
+    choices, usage = [], UsageInfo()
+    for i, r in enumerate(reqs):
+        out = final[r.request_id]
+        usage.prompt_tokens += len(out.prompt_token_ids)
+        for c in out.outputs:
+            usage.completion_tokens += len(c.token_ids)
+            choices.append(_choice(i * req.n + c.index, c, req, echo[i] if echo else ""))
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+    body = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
+    return JSONResponse(body.model_dump())
+
+
+def _choice(
+    index: int, c: CompletionOutput, req: CompletionRequest, prefix: str
+) -> CompletionChoice:
+    logprobs = None
+    if req.logprobs is not None and c.logprobs is not None:
+        logprobs, _ = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+    return CompletionChoice(
+        index=index,
+        text=prefix + c.text,
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+    )
+
+
+async def _stream(
+    group: RequestGroup,
+    rid: str,
+    model: str,
+    created: int,
+    req: CompletionRequest,
+    echo: list[str] | None,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    n = req.n
+    index_of = {r: i for i, r in enumerate(group.request_ids)}
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    offsets: dict[int, int] = {}
+    prompt_tokens: dict[str, int] = {}
+    completion_tokens: dict[int, int] = {}
+
+    def chunk(index: int, text: str, logprobs: object, finish: str | None, stop: object) -> str:
+        return sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                        "stop_reason": stop,
+                    }
+                ],
+                **({"usage": None} if include_usage else {}),
+            }
+        )
+
+    try:
+        if echo:
+            for p, text in enumerate(echo):
+                for j in range(n):
+                    yield chunk(p * n + j, text, None, None, None)
+        async for out in group:
+            p = index_of[out.request_id]
+            prompt_tokens[out.request_id] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                idx = p * n + c.index
+                completion_tokens[idx] = len(c.token_ids)
+                start = sent_text.get(idx, 0)
+                delta = c.text[start:] if len(c.text) > start else ""
+                if not delta and not c.finished:
+                    continue
+                sent_text[idx] = max(start, len(c.text))
+                logprobs = None
+                if req.logprobs is not None and c.logprobs is not None:
+                    t0 = sent_tokens.get(idx, 0)
+                    lp, offsets[idx] = completion_logprobs(
+                        c.token_ids[t0:], c.logprobs[t0:], req.logprobs, offsets.get(idx, 0)
+                    )
+                    sent_tokens[idx] = len(c.token_ids)
+                    logprobs = lp.model_dump()
+                yield chunk(idx, delta, logprobs, c.finish_reason, c.stop_reason)
+        if include_usage:
+            pt, ct = sum(prompt_tokens.values()), sum(completion_tokens.values())
+            usage = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
+            yield sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+    except APIError as e:
+        yield sse_error(e.message, e.status, e.code)
+    except Exception as e:  # the engine failed mid-stream: tell the client, then end
+        yield sse_error(str(e) or type(e).__name__)
+    finally:
+        group.close()
+    yield SSE_DONE

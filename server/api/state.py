@@ -1,0 +1,60 @@
+"""What the HTTP layer shares: settings, the engine (once loaded), metrics, lifecycle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvscale.server.api.errors import APIError
+from kvscale.server.api.lifecycle import Lifecycle
+from kvscale.server.api.metrics import ServerMetrics
+from kvscale.server.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerSettings:
+    """Server options that are not engine options."""
+
+    served_model_names: list[str]
+    model_path: str = ""
+    api_key: str | None = None
+    max_queue_len: int | None = None
+    drain_timeout: float = 30.0  # seconds
+    warmup: bool = True
+    chat_template: str | None = None  # Jinja source overriding the tokenizer's
+
+    @property
+    def model_name(self) -> str:
+        """The name used in responses and metric labels."""
+        return self.served_model_names[0]
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    lifecycle: Lifecycle
+    metrics: ServerMetrics
+    engine: AsyncEngine | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def require_engine(self) -> AsyncEngine:
+        """The engine, or a 503 while the model loads (or after the engine died)."""
+        eng = self.engine
+        if eng is None or not self.lifecycle.loaded:
+            raise APIError(503, "the model is still loading; retry shortly", code="loading")
+        if not eng.is_alive():
+            raise APIError(503, "the engine loop is not running", code="engine_dead")
+        return eng
+
+    def check_model(self, name: str | None) -> str:
+        """The served name to answer with; 404 for a model this server does not serve."""
+        if name is None or name == "":
+            return self.settings.model_name
+        if name not in self.settings.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist. This server serves "
+                f"{', '.join(self.settings.served_model_names)}.",
+                param="model",
+                code="model_not_found",
+            )
+        return name
