@@ -40,7 +40,7 @@ LOG2E = 1.4426950408889634
 # Split-KV policy (see choose_num_splits).
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-TARGET_WAVES = 2
+TARGET_WAVES = 4  # tuned on H100: 64 splits at B=1 ctx 32768 (bench/NOTES.md)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:

@@ -46,7 +46,7 @@ def prefill_config(head_dim: int, group: int) -> dict[str, int]:
             "num_stages": 1,
         }
     if head_dim <= 128:
-        block_m, block_n, warps, stages = 128, 64, 8, 3
+        block_m, block_n, warps, stages = 256, 64, 8, 4  # tuned on H100 (bench/NOTES.md)
     else:
         block_m, block_n, warps, stages = 64, 32, 8, 2
     return {

@@ -41,17 +41,33 @@ def test_triton_matches_torch_backend_fp32(
     assert ref == hf_greedy(path, PROMPTS, 24)
 
 
+def _mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    total = 0
+    for x, y in zip(a, b, strict=True):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        total += n
+    return total / len(a)
+
+
 def test_triton_matches_torch_backend_bf16(checkpoint_factory: Callable[..., Path]) -> None:
+    """bf16 sums in other orders (and flash attention rounds P to bf16), so greedy paths of
+    a random model drift apart after near-ties. Yardstick: the kernels must track the
+    torch backend in bf16 about as long as bf16 tracks fp32 on the same backend."""
     path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
+    fp32, _ = _run(path, "torch", "float32", **STRESS)
     ref, _ = _run(path, "torch", "bfloat16", **STRESS)
     got, llm = _run(path, "triton", "bfloat16", **STRESS)
     assert llm.engine.stats().num_preemptions > 0
-    # bf16: attention sums in another order (and rounds P to bf16 like flash attention),
-    # so a near-tie can flip late in a sequence; the first token must always agree.
     assert [g[0] for g in got] == [r[0] for r in ref]
-    same = sum(g == r for g, r in zip(got, ref, strict=True))
-    print(f"bf16: {same}/{len(ref)} sequences identical over 24 tokens")
-    assert same >= len(ref) - 2
+    kernels_vs_torch = _mean_common_prefix(got, ref)
+    bf16_vs_fp32 = _mean_common_prefix(ref, fp32)
+    print(
+        f"bf16 common prefix: kernels vs torch {kernels_vs_torch:.1f}, "
+        f"torch bf16 vs fp32 {bf16_vs_fp32:.1f} (of 24 tokens)"
+    )
+    assert kernels_vs_torch >= 0.8 * bf16_vs_fp32
 
 
 def test_kv_pool_sized_from_gpu_memory(checkpoint_factory: Callable[..., Path]) -> None:

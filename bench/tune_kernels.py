@@ -1,0 +1,116 @@
+"""Sweeps launch configurations of the attention kernels on one CUDA GPU (device tool).
+
+Prints, for split-KV decode (B=1, context 32768) and causal prefill (8 x 2048), the time
+and achieved bandwidth / TFLOP/s of each configuration, best first. The kernels' default
+configs are then set from what this finds (bench/NOTES.md keeps the numbers).
+
+    python bench/tune_kernels.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernels as kb
+
+
+def main() -> None:
+    import triton.testing
+
+    from kvscale.kernels import paged_decode as pd
+    from kvscale.kernels import paged_prefill as pp
+    from kvscale.kernels.testing import random_paged_kv
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+
+    def ms(fn: object) -> float:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+    # --- split-KV decode
+    ctx = 32768
+    kv = random_paged_kv([ctx], kb.NUM_KV_HEADS, kb.HEAD_DIM, 16, dt, dev, garbage=None)
+    q = torch.randn(1, kb.NUM_HEADS, kb.HEAD_DIM, dtype=dt, device=dev)
+    nbytes = kb.decode_bytes(1, ctx, kb.NUM_HEADS, kb.NUM_KV_HEADS, kb.HEAD_DIM, 2)
+    rows = []
+    orig = pd.decode_config
+    for splits, bn, warps, stages in itertools.product(
+        [16, 33, 64, 128, 256], [32, 64, 128], [2, 4, 8], [2, 3, 4]
+    ):
+        pd.decode_config = lambda h, b, bn=bn, w=warps, s=stages: {
+            "BLOCK_N": bn,
+            "num_warps": w,
+            "num_stages": s,
+        }
+        try:
+
+            def fn(sp=splits):
+                return pd.paged_decode_attention(
+                    q,
+                    kv.k_cache,
+                    kv.v_cache,
+                    kv.block_tables,
+                    kv.seq_lens,
+                    0.088,
+                    num_splits=sp,
+                )
+
+            t = ms(fn)
+        except Exception as e:
+            print(f"decode splits={splits} BN={bn} w={warps} s={stages}: {type(e).__name__}")
+            continue
+        rows.append(
+            (
+                t,
+                f"decode splits={splits} BLOCK_N={bn} warps={warps} stages={stages}",
+                f"{nbytes / t / 1e6:.0f} GB/s",
+            )
+        )
+    pd.decode_config = orig
+    for r in sorted(rows)[:12]:
+        print(f"{r[0] * 1e3:8.1f} us  {r[2]:>10}  {r[1]}")
+
+    # --- prefill
+    lens = [2048] * 8
+    kv = random_paged_kv(lens, kb.NUM_KV_HEADS, kb.HEAD_DIM, 16, dt, dev, garbage=None)
+    total = sum(lens)
+    q = torch.randn(total, kb.NUM_HEADS, kb.HEAD_DIM, dtype=dt, device=dev)
+    qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+    flops = kb.prefill_flops(lens, kb.NUM_HEADS, kb.HEAD_DIM)
+    rows = []
+    orig_p = pp.prefill_config
+    for bm, bn, warps, stages in itertools.product(
+        [64, 128, 256], [32, 64, 128], [4, 8], [2, 3, 4]
+    ):
+        pp.prefill_config = lambda h, g, bm=bm, bn=bn, w=warps, s=stages: {
+            "BLOCK_M": bm,
+            "BLOCK_N": bn,
+            "num_warps": w,
+            "num_stages": s,
+        }
+        try:
+            fn = lambda: pp.paged_prefill_attention(  # noqa: E731
+                q, kv.k_cache, kv.v_cache, qsl, kv.seq_lens, kv.block_tables, 2048, 0.088
+            )
+            t = ms(fn)
+        except Exception as e:
+            print(f"prefill BM={bm} BN={bn} w={warps} s={stages}: {type(e).__name__}")
+            continue
+        rows.append(
+            (
+                t,
+                f"prefill BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages}",
+                f"{flops / t / 1e9:.0f} TFLOP/s",
+            )
+        )
+    pp.prefill_config = orig_p
+    for r in sorted(rows)[:12]:
+        print(f"{r[0] * 1e3:8.1f} us  {r[2]:>10}  {r[1]}")
+
+
+if __name__ == "__main__":
+    main()
