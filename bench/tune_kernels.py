@@ -86,7 +86,7 @@ def main() -> None:
     for bm, bn, warps, stages in itertools.product(
         [64, 128, 256], [32, 64, 128], [4, 8], [2, 3, 4]
     ):
-        pp.prefill_config = lambda h, g, bm=bm, bn=bn, w=warps, s=stages: {
+        pp.prefill_config = lambda h, g, e=2, bm=bm, bn=bn, w=warps, s=stages: {
             "BLOCK_M": bm,
             "BLOCK_N": bn,
             "num_warps": w,

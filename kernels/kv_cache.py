@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvscale.kernels._utils import next_power_of_2
+from kvscale.kernels._utils import is_interpreter, next_power_of_2
 
 
 @triton.jit
@@ -33,19 +33,24 @@ def _write_kv_cache_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    # One program moves TOKENS tokens x BLOCK elements of K and of V, so that several
+    # independent loads are in flight per thread.
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     pb = tl.program_id(1)
     slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
     row = NUM_KV_HEADS * HEAD_DIM
     offs = pb * BLOCK + tl.arange(0, BLOCK)
     head = offs // HEAD_DIM
     d = offs % HEAD_DIM
-    mask = (offs < row) & (slot >= 0) & (slot < num_slots) & (t < num_tokens)
-    dst = slot * row + offs
-    k = tl.load(k_ptr + t * stride_kt + head * stride_kh + d, mask=mask, other=0.0)
+    ok = (slot >= 0) & (slot < num_slots) & (t < num_tokens)
+    mask = ok[:, None] & (offs < row)[None, :]
+    dst = slot[:, None] * row + offs[None, :]
+    t64 = t.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + t64 * stride_kt + (head * stride_kh + d)[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t64 * stride_vt + (head * stride_vh + d)[None, :], mask=mask, other=0.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + head * stride_vh + d, mask=mask, other=0.0)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -89,7 +94,8 @@ def write_kv_cache(
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     row = num_kv_heads * head_dim
     block = min(next_power_of_2(row), 4096)
-    grid = (num_tokens, triton.cdiv(row, block))
+    tokens = 1 if is_interpreter() else 4
+    grid = (triton.cdiv(num_tokens, tokens), triton.cdiv(row, block))
     _write_kv_cache_kernel[grid](
         k,
         v,
@@ -105,6 +111,7 @@ def write_kv_cache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK=block,
+        TOKENS=tokens,
         num_warps=4,
     )
 

@@ -36,8 +36,10 @@ from kvscale.kernels.paged_decode import gather_kv
 LOG2E = 1.4426950408889634
 
 
-def prefill_config(head_dim: int, group: int) -> dict[str, int]:
-    """Tile sizes and launch options: Hopper defaults on CUDA, small tiles when interpreting."""
+def prefill_config(head_dim: int, group: int, elem_bytes: int = 2) -> dict[str, int]:
+    """Tile sizes and launch options: Hopper defaults on CUDA, small tiles when interpreting.
+
+    ``elem_bytes`` 4 (fp32) halves the tiles so they fit in shared memory."""
     if is_interpreter():
         return {
             "BLOCK_M": max(32, next_power_of_2(group)),
@@ -45,8 +47,10 @@ def prefill_config(head_dim: int, group: int) -> dict[str, int]:
             "num_warps": 4,
             "num_stages": 1,
         }
-    if head_dim <= 128:
+    if head_dim <= 128 and elem_bytes <= 2:
         block_m, block_n, warps, stages = 256, 64, 8, 4  # tuned on H100 (bench/NOTES.md)
+    elif head_dim <= 128:
+        block_m, block_n, warps, stages = 128, 64, 8, 2
     else:
         block_m, block_n, warps, stages = 64, 32, 8, 2
     return {
@@ -297,7 +301,7 @@ def paged_prefill_attention(
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     qg = num_heads // num_kv_heads
-    cfg = prefill_config(head_dim, qg)
+    cfg = prefill_config(head_dim, qg, q.element_size())
     block_q = cfg["BLOCK_M"] // qg
     grid = (triton.cdiv(q.shape[0], block_q) + batch, num_kv_heads)
     _paged_prefill_kernel[grid](
