@@ -27,7 +27,7 @@ test: venv
 	$(BIN)/pytest -q
 
 serve: venv
-	$(BIN)/kvscale generate --model demo
+	$(BIN)/kvscale serve --model demo
 
 lint: venv
 	$(BIN)/ruff check .

@@ -29,6 +29,24 @@ _TYPES = {
 }
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON that never fails to encode: lone surrogates (valid in JSON strings a client
+    sent) are escaped instead of breaking UTF-8 encoding."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON; ASCII-escaped only when the text holds unencodable surrogates."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text
+
+
 class APIError(Exception):
     """An error answered with ``status`` in OpenAI's shape."""
 
@@ -68,12 +86,12 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+    return SafeJSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
 def sse_error(message: str, status: int = 500, code: str | None = None) -> str:
     """An error event for a stream that already started (then ``data: [DONE]``)."""
-    return f"data: {json.dumps(error_body(status, message, None, code))}\n\n"
+    return f"data: {dumps(error_body(status, message, None, code))}\n\n"
 
 
 _FIELD = re.compile(r"^([a-z_]+) must\b")

@@ -127,7 +127,7 @@ def run_server(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=int(GRACEFUL_CLOSE_S),
-        access_log=args.log_level.lower() == "debug",
+        access_log=not args.disable_access_log,
     )
     lifecycle = app.state.server.lifecycle
     server = DrainingServer(config, lifecycle)

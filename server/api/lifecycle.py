@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -80,7 +81,7 @@ class DrainingServer(uvicorn.Server):
         lifecycle.request_exit = self._request_exit
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def serve(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 

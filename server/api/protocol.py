@@ -25,7 +25,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingRequest(_Request):
+class SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="a served model name; default: the first")
@@ -50,7 +50,7 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
@@ -80,7 +80,7 @@ class ResponseFormat(_Request):
     type: str
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from kvscale.server.api.errors import APIError, sse_error
+from kvscale.server.api.errors import APIError, SafeJSONResponse, sse_error
 from kvscale.server.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -35,6 +35,7 @@ from kvscale.server.api.serving_common import (
     sampling_params,
     sse,
     submit,
+    tokenize,
     unless_disconnected,
     validate_prompt,
 )
@@ -120,7 +121,7 @@ def render_prompt(
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
     if not isinstance(text, str):
         raise APIError(400, "the chat template did not render to text", param="messages")
-    ids = list(tok.encode(text, add_special_tokens=False))
+    ids = tokenize(engine, text, "messages", special=False)
     validate_prompt(engine, ids, "messages")
     return ids
 
@@ -185,7 +186,7 @@ async def create_chat_completion(
     body = ChatCompletionResponse(
         id=rid, created=created, model=model, choices=choices, usage=usage
     )
-    return JSONResponse(body.model_dump())
+    return SafeJSONResponse(body.model_dump())
 
 
 async def _stream(

@@ -4,20 +4,20 @@ disconnect handling and server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from kvscale.server.api.errors import APIError, param_of
-from kvscale.server.api.protocol import _SamplingRequest
+from kvscale.server.api.errors import APIError, dumps, param_of
+from kvscale.server.api.protocol import SamplingRequest
 from kvscale.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineRequest,
+    EngineStepError,
     QueueFullError,
     RequestGroup,
 )
@@ -29,6 +29,28 @@ T = TypeVar("T")
 MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to this (as vLLM does)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 RETRY_AFTER_S = "1"  # Retry-After of a 429 (seconds)
+MAX_SEQS_PER_REQUEST = 1024  # prompts x n in one request
+
+
+def check_request_size(num_prompts: int, n: int) -> None:
+    """400 for a request that asks for more than MAX_SEQS_PER_REQUEST sequences."""
+    if num_prompts * n > MAX_SEQS_PER_REQUEST:
+        raise APIError(
+            400,
+            f"a request may ask for at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n); "
+            f"this one asks for {num_prompts} x {n}",
+            param="n",
+        )
+
+
+def tokenize(engine: AsyncEngine, text: str, param: str, special: bool = True) -> list[int]:
+    """Token ids of ``text``; 400 if the tokenizer cannot take it (e.g. lone surrogates)."""
+    try:
+        if special:
+            return engine.tokenize(text)
+        return list(engine.tokenizer.encode(text, add_special_tokens=False))
+    except Exception as e:
+        raise APIError(400, f"cannot tokenize {param}: {e}", param=param) from e
 
 
 def random_id(prefix: str) -> str:
@@ -68,7 +90,7 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    req: _SamplingRequest,
+    req: SamplingRequest,
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
@@ -106,7 +128,7 @@ def sampling_params(
         raise APIError(400, str(e), param=param_of(e, rename)) from e
 
 
-def check_stream_options(req: _SamplingRequest) -> bool:
+def check_stream_options(req: SamplingRequest) -> bool:
     """Whether a usage chunk ends the stream; 400 for stream_options without stream."""
     if req.stream_options is not None and not req.stream:
         raise APIError(
@@ -153,9 +175,14 @@ async def submit(engine: AsyncEngine, requests: list[EngineRequest]) -> RequestG
 async def collect(group: RequestGroup) -> dict[str, RequestOutput]:
     """Runs a group to the end; returns the final output of each request. Closes it."""
     final: dict[str, RequestOutput] = {}
-    async with group:
-        async for out in group:
-            final[out.request_id] = out
+    try:
+        async with group:
+            async for out in group:
+                final[out.request_id] = out
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from e
+    except EngineStepError as e:
+        raise APIError(500, str(e), code="engine_error") from e
     return final
 
 
@@ -188,17 +215,7 @@ async def unless_disconnected(awaitable: Awaitable[T], request: Request) -> T | 
 
 def sse(obj: Any) -> str:
     """One server-sent event."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-async def closing_stream(gen: AsyncIterator[str], group: RequestGroup) -> AsyncIterator[str]:
-    """Yields from ``gen``; whatever ends it (disconnect included) closes the group."""
-    try:
-        async for chunk in gen:
-            yield chunk
-    finally:
-        group.close()

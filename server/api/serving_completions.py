@@ -13,9 +13,9 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from kvscale.server.api.errors import APIError, sse_error
+from kvscale.server.api.errors import APIError, SafeJSONResponse, sse_error
 from kvscale.server.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -25,6 +25,7 @@ from kvscale.server.api.protocol import (
 )
 from kvscale.server.api.serving_common import (
     SSE_DONE,
+    check_request_size,
     check_stream_options,
     clamp_logprob,
     collect,
@@ -33,6 +34,7 @@ from kvscale.server.api.serving_common import (
     sampling_params,
     sse,
     submit,
+    tokenize,
     unless_disconnected,
     validate_prompt,
 )
@@ -74,9 +76,10 @@ def _prompts(req: CompletionRequest, engine: AsyncEngine) -> tuple[list[list[int
         raw = list(p)  # type: ignore[arg-type]
     if not raw:
         raise APIError(400, "prompt must not be empty", param="prompt")
+    check_request_size(len(raw), req.n)
     ids_list, texts = [], []
     for item in raw:
-        ids = engine.tokenize(item) if isinstance(item, str) else list(item)
+        ids = tokenize(engine, item, "prompt") if isinstance(item, str) else list(item)
         validate_prompt(engine, ids, "prompt")
         ids_list.append(ids)
         texts.append(item if isinstance(item, str) else "")
@@ -129,7 +132,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             choices.append(_choice(i * req.n + c.index, c, req, echo[i] if echo else ""))
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
     body = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
-    return JSONResponse(body.model_dump())
+    return SafeJSONResponse(body.model_dump())
 
 
 def _choice(

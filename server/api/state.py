@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvscale.server.api.errors import APIError
 from kvscale.server.api.lifecycle import Lifecycle
@@ -33,8 +33,7 @@ class ServerState:
     settings: ServerSettings
     lifecycle: Lifecycle
     metrics: ServerMetrics
-    engine: AsyncEngine | None = None
-    extra: dict[str, object] = field(default_factory=dict)
+    engine: AsyncEngine | None = None  # set once the model is loaded
 
     def require_engine(self) -> AsyncEngine:
         """The engine, or a 503 while the model loads (or after the engine died)."""

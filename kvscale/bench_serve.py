@@ -1,0 +1,391 @@
+"""``kvscale bench serve``: a load generator for an OpenAI-compatible server.
+
+Sends ``--num-prompts`` streaming ``/v1/completions`` requests (token-id prompts, so the
+input length is exact; ``ignore_eos`` so the output length is exactly as asked) at
+``--request-rate`` (Poisson arrivals; ``inf`` sends all at once) with at most
+``--max-concurrency`` in flight, and reports throughput and TTFT / TPOT / ITL / E2E
+latency (mean, median, p99) like vLLM's ``benchmark_serving``, on stdout and as JSON.
+
+Datasets: ``random`` (fixed lengths, optionally spread by ``--range-ratio``) and
+``sharegpt-like``: input and output lengths drawn from seeded log-normal distributions
+with ShareGPT's published means (about 200 input and 180 output tokens), since no
+dataset can be downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+SHAREGPT_MEAN_INPUT = 200  # tokens
+SHAREGPT_MEAN_OUTPUT = 180  # tokens
+SHAREGPT_SIGMA = 0.9  # log-normal shape: a long tail, as in real conversations
+SHAREGPT_MAX_LEN = 1024  # each of input and output is clipped to [4, this]
+MIN_LEN = 4
+TOKEN_ID_RANGE = (100, 5000)  # prompt token ids are drawn from here (valid in any real vocab)
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds
+    itl: list[float] = field(default_factory=list)  # seconds between chunks
+    latency: float = 0.0  # seconds, end to end
+    error: str = ""
+
+
+# ---- datasets -----------------------------------------------------------------------------
+def _lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
+    mu = math.log(mean) - sigma * sigma / 2  # so that E[X] = mean before clipping
+    return int(min(hi, max(lo, round(rng.lognormvariate(mu, sigma)))))
+
+
+def sample_lengths(
+    dataset: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    range_ratio: float = 0.0,
+    max_model_len: int | None = None,
+) -> list[tuple[int, int]]:
+    """``(input_len, output_len)`` per request; deterministic for a seed.
+
+    ``max_model_len`` (if known) caps each pair so that input + output fits the context.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(num_prompts):
+        if dataset == "random":
+            if input_len < 1 or output_len < 1:
+                raise ValueError("input_len and output_len must be >= 1")
+            i = rng.randint(
+                max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
+            )
+            o = rng.randint(
+                max(1, int(output_len * (1 - range_ratio))), int(output_len * (1 + range_ratio))
+            )
+        elif dataset == "sharegpt-like":
+            i = _lognormal(rng, SHAREGPT_MEAN_INPUT, SHAREGPT_SIGMA, MIN_LEN, SHAREGPT_MAX_LEN)
+            o = _lognormal(rng, SHAREGPT_MEAN_OUTPUT, SHAREGPT_SIGMA, MIN_LEN, SHAREGPT_MAX_LEN)
+        else:
+            raise ValueError(f"dataset must be 'random' or 'sharegpt-like', got {dataset!r}")
+        if max_model_len is not None:
+            i = min(i, max(1, max_model_len // 2))
+            o = max(1, min(o, max_model_len - i))
+        pairs.append((i, o))
+    return pairs
+
+
+def make_requests(lengths: list[tuple[int, int]], seed: int) -> list[BenchRequest]:
+    """Random token-id prompts of the given lengths (seeded)."""
+    rng = random.Random(seed + 1)
+    lo, hi = TOKEN_ID_RANGE
+    return [BenchRequest([rng.randrange(lo, hi) for _ in range(i)], o) for i, o in lengths]
+
+
+def arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: exponential gaps (Poisson), 0 when rate is inf."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    if request_rate <= 0:
+        raise ValueError(f"request_rate must be > 0 or inf, got {request_rate}")
+    rng = random.Random(seed + 2)
+    return [rng.expovariate(request_rate) for _ in range(num)]
+
+
+# ---- statistics ---------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation (numpy's default); 0 if empty."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values]
+    return {
+        "mean": sum(ms) / len(ms) if ms else 0.0,
+        "median": percentile(ms, 50),
+        "p99": percentile(ms, 99),
+    }
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """The benchmark's numbers: counts, throughputs (per second), latencies (ms)."""
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    d = max(duration, 1e-9)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out: dict[str, Any] = {
+        "successful_requests": len(ok),
+        "failed_requests": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / d,
+        "input_throughput": total_in / d,
+        "output_throughput": total_out / d,
+        "total_token_throughput": (total_in + total_out) / d,
+    }
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("tpot", tpots),
+        ("itl", [x for r in ok for x in r.itl]),
+        ("e2el", [r.latency for r in ok]),
+    ):
+        for stat, v in _stats_ms(values).items():
+            out[f"{stat}_{name}_ms"] = v
+    errors = [r.error for r in results if not r.success and r.error]
+    out["errors"] = errors[:10]
+    return out
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """A fixed-width table, in the style of vLLM's benchmark_serving."""
+    w = 50
+
+    def row(label: str, value: Any) -> str:
+        v = f"{value:.2f}" if isinstance(value, float) else str(value)
+        return f"{label:<40}{v:>10}"
+
+    lines = [
+        " Serving Benchmark Result ".center(w, "="),
+        row("Successful requests:", s["successful_requests"]),
+        row("Failed requests:", s["failed_requests"]),
+        row("Benchmark duration (s):", s["duration_s"]),
+        row("Total input tokens:", s["total_input_tokens"]),
+        row("Total generated tokens:", s["total_output_tokens"]),
+        row("Request throughput (req/s):", s["request_throughput"]),
+        row("Input token throughput (tok/s):", s["input_throughput"]),
+        row("Output token throughput (tok/s):", s["output_throughput"]),
+        row("Total token throughput (tok/s):", s["total_token_throughput"]),
+    ]
+    for key, title, short in (
+        ("ttft", "Time to First Token", "TTFT"),
+        ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+        ("itl", "Inter-token Latency", "ITL"),
+        ("e2el", "End-to-end Latency", "E2EL"),
+    ):
+        lines.append(f" {title} ".center(w, "-"))
+        lines.append(row(f"Mean {short} (ms):", s[f"mean_{key}_ms"]))
+        lines.append(row(f"Median {short} (ms):", s[f"median_{key}_ms"]))
+        lines.append(row(f"P99 {short} (ms):", s[f"p99_{key}_ms"]))
+    lines.append("=" * w)
+    return "\n".join(lines)
+
+
+# ---- the load generator -------------------------------------------------------------------
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def send_request(
+    client: Any, base_url: str, model: str, req: BenchRequest, api_key: str | None
+) -> RequestResult:
+    """One streaming completion; times the chunks as they arrive."""
+    body = {
+        "model": model,
+        "prompt": req.prompt_token_ids,
+        "max_tokens": req.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = RequestResult(prompt_len=len(req.prompt_token_ids))
+    chunks = 0
+    start = last = time.perf_counter()
+    try:
+        async with client.stream(
+            "POST", f"{base_url}/v1/completions", json=body, headers=_headers(api_key)
+        ) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"].get("message", obj["error"]))
+                    return res
+                now = time.perf_counter()
+                if obj.get("choices"):
+                    if chunks == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    chunks += 1
+                    last = now
+                if obj.get("usage"):
+                    res.output_tokens = int(obj["usage"].get("completion_tokens", 0))
+        res.latency = time.perf_counter() - start
+        if not res.output_tokens:
+            res.output_tokens = chunks
+        res.success = chunks > 0
+        if not res.success:
+            res.error = "the stream ended without any chunk"
+    except Exception as e:  # a failed request is counted, never fatal
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def _server_model(client: Any, base_url: str, api_key: str | None) -> tuple[str, int | None]:
+    resp = await client.get(f"{base_url}/v1/models", headers=_headers(api_key))
+    resp.raise_for_status()
+    card = resp.json()["data"][0]
+    return card["id"], card.get("max_model_len")
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the load and returns ``summarize``'s dict plus the configuration."""
+    import httpx
+    from tqdm import tqdm
+
+    base_url = args.base_url.rstrip("/")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    conc = args.max_concurrency or args.num_prompts
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    timeout = httpx.Timeout(args.timeout, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model, max_model_len = await _server_model(client, base_url, api_key)
+        model = args.model or model
+        lengths = sample_lengths(
+            args.dataset,
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.seed,
+            args.range_ratio,
+            max_model_len,
+        )
+        requests = make_requests(lengths, args.seed)
+        delays = arrival_delays(len(requests), args.request_rate, args.seed)
+        sem = asyncio.Semaphore(conc)
+        bar = tqdm(total=len(requests), disable=args.disable_tqdm, file=sys.stderr, unit="req")
+
+        async def one(req: BenchRequest) -> RequestResult:
+            async with sem:
+                r = await send_request(client, base_url, model, req, api_key)
+            bar.update(1)
+            return r
+
+        tasks = []
+        t0 = time.perf_counter()
+        for req, delay in zip(requests, delays, strict=True):
+            if delay:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        bar.close()
+    summary = summarize(list(results), duration)
+    summary["config"] = {
+        "base_url": base_url,
+        "model": model,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "seed": args.seed,
+    }
+    return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = " (default: %(default)s)"
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load" + d)
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument(
+        "--dataset",
+        choices=["random", "sharegpt-like"],
+        default="random",
+        help="random: --input-len/--output-len; sharegpt-like: seeded lengths with "
+        "ShareGPT's means (~200 in, ~180 out)" + d,
+    )
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send" + d)
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (Poisson arrivals); inf sends all at once" + d,
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="most requests in flight (default: all)"
+    )
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens, random dataset" + d)
+    p.add_argument("--output-len", type=int, default=128, help="output tokens, random dataset" + d)
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random dataset: lengths uniform in len*(1 -/+ ratio)" + d,
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for lengths, prompts, arrivals" + d)
+    p.add_argument(
+        "--result-file", default="bench-serve-result.json", help="results as JSON go here" + d
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s" + d)
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the benchmark, prints the table, writes the JSON; 1 if every request failed."""
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    summary = asyncio.run(run_benchmark(args))
+    print(format_summary(summary))
+    for err in summary["errors"][:3]:
+        print(f"error: {err}", file=sys.stderr)
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+        print(f"results written to {args.result_file}", file=sys.stderr)
+    return 0 if summary["successful_requests"] else 1
+
+
+__all__ = [
+    "BenchRequest",
+    "RequestResult",
+    "add_arguments",
+    "arrival_delays",
+    "format_summary",
+    "main",
+    "make_requests",
+    "percentile",
+    "sample_lengths",
+    "summarize",
+]

@@ -1,0 +1,98 @@
+"""The pure parts of ``kvscale bench serve``: lengths, arrivals, percentiles, the summary."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from kvscale.bench_serve import (
+    RequestResult,
+    arrival_delays,
+    format_summary,
+    make_requests,
+    percentile,
+    sample_lengths,
+    summarize,
+)
+
+
+def test_random_dataset_lengths() -> None:
+    assert sample_lengths("random", 5, 32, 8, seed=0) == [(32, 8)] * 5
+    spread = sample_lengths("random", 500, 100, 50, seed=0, range_ratio=0.5)
+    assert all(50 <= i <= 150 and 25 <= o <= 75 for i, o in spread)
+    assert len({i for i, _ in spread}) > 20
+
+
+def test_sharegpt_like_is_seeded_with_sharegpt_means() -> None:
+    a = sample_lengths("sharegpt-like", 4000, 0, 0, seed=3)
+    assert a == sample_lengths("sharegpt-like", 4000, 0, 0, seed=3)
+    assert a != sample_lengths("sharegpt-like", 4000, 0, 0, seed=4)
+    ins, outs = [i for i, _ in a], [o for _, o in a]
+    assert statistics.mean(ins) == pytest.approx(200, rel=0.08)
+    assert statistics.mean(outs) == pytest.approx(180, rel=0.08)
+    assert min(ins) >= 4 and max(ins) <= 1024
+    assert statistics.median(ins) < statistics.mean(ins)  # long-tailed, like real chats
+
+
+def test_lengths_fit_the_context() -> None:
+    for i, o in sample_lengths("sharegpt-like", 300, 0, 0, seed=1, max_model_len=256):
+        assert i + o <= 256 and i >= 1 and o >= 1
+
+
+def test_bad_dataset_arguments() -> None:
+    with pytest.raises(ValueError, match="dataset"):
+        sample_lengths("alpaca", 1, 1, 1, seed=0)
+    with pytest.raises(ValueError, match="num_prompts"):
+        sample_lengths("random", 0, 1, 1, seed=0)
+    with pytest.raises(ValueError, match="request_rate"):
+        arrival_delays(3, 0.0, seed=0)
+
+
+def test_prompts_have_the_exact_lengths() -> None:
+    reqs = make_requests([(3, 7), (10, 1)], seed=0)
+    assert [len(r.prompt_token_ids) for r in reqs] == [3, 10]
+    assert [r.output_len for r in reqs] == [7, 1]
+    assert reqs[0].prompt_token_ids == make_requests([(3, 7)], seed=0)[0].prompt_token_ids
+
+
+def test_arrivals_are_poisson_or_all_at_once() -> None:
+    assert arrival_delays(4, math.inf, seed=0) == [0.0] * 4
+    gaps = arrival_delays(5000, 10.0, seed=0)
+    assert statistics.mean(gaps) == pytest.approx(0.1, rel=0.05)
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    xs = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(xs, 50) == 2.5
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile(xs, 99) == pytest.approx(3.97)
+    assert percentile([], 50) == 0.0
+
+
+def test_summary_math_and_table() -> None:
+    results = [
+        RequestResult(True, 10, 5, ttft=0.1, itl=[0.02] * 4, latency=0.18),
+        RequestResult(True, 20, 3, ttft=0.3, itl=[0.05, 0.05], latency=0.4),
+        RequestResult(False, 30, 0, error="HTTP 429: full"),
+    ]
+    s = summarize(results, duration=2.0)
+    assert s["successful_requests"] == 2 and s["failed_requests"] == 1
+    assert s["total_input_tokens"] == 30 and s["total_output_tokens"] == 8
+    assert s["request_throughput"] == 1.0
+    assert s["output_throughput"] == 4.0 and s["total_token_throughput"] == 19.0
+    assert s["mean_ttft_ms"] == pytest.approx(200.0)
+    assert s["median_ttft_ms"] == pytest.approx(200.0)
+    assert s["mean_tpot_ms"] == pytest.approx((20.0 + 50.0) / 2)  # (e2e - ttft) / (out - 1)
+    assert s["mean_itl_ms"] == pytest.approx((4 * 20 + 2 * 50) / 6)
+    assert s["p99_e2el_ms"] == pytest.approx(180 + 0.99 * 220)
+    assert s["errors"] == ["HTTP 429: full"]
+    table = format_summary(s)
+    for label in (
+        "Successful requests:", "Failed requests:", "Benchmark duration (s):",
+        "Request throughput (req/s):", "Input token throughput (tok/s):",
+        "Output token throughput (tok/s):", "Total token throughput (tok/s):",
+        "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "P99 E2EL (ms):",
+    ):  # fmt: skip
+        assert label in table, label
