@@ -29,6 +29,9 @@ test: venv
 serve: venv
 	$(BIN)/kvscale serve --model demo
 
+e2e: venv
+	$(BIN)/pytest -q e2e
+
 lint: venv
 	$(BIN)/ruff check .
 

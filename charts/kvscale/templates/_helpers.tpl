@@ -1,0 +1,65 @@
+{{- define "kvscale.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvscale.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/name: kvscale-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvscale
+{{- end -}}
+
+{{- define "kvscale.selectorLabels" -}}
+app.kubernetes.io/name: kvscale-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvscale.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvscale.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The rules the operator needs in each namespace it serves: nothing more. */}}
+{{- define "kvscale.namespacedRules" -}}
+# LLMDeployments: watched and annotated by Kopf, status written by the operator.
+- apiGroups: [serving.kvscale.dev]
+  resources: [llmdeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.kvscale.dev]
+  resources: [llmdeployments/status]
+  verbs: [get, patch]
+# ownerReferences with blockOwnerDeletion need update on the owner's finalizers.
+- apiGroups: [serving.kvscale.dev]
+  resources: [llmdeployments/finalizers]
+  verbs: [update]
+# The server pods' Deployment: created, updated, scaled; watched for rollout progress.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, update, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, create, update]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, update, delete]
+# Pods: watched to report unschedulable or crashing replicas.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+# Secrets: only checked to exist with the right keys (never listed or watched).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

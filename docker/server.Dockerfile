@@ -1,0 +1,35 @@
+# syntax=docker/dockerfile:1.7
+# The kvscale GPU server: `kvscale serve` on CUDA. torch's Linux wheels carry the CUDA
+# runtime; the node's NVIDIA driver comes in through the NVIDIA container toolkit.
+# The same image runs on CPU (`--device cpu`, e.g. the e2e tests on kind).
+# Build from the repository root:
+#   docker build -f docker/server.Dockerfile -t ghcr.io/kvscale/kvscale-server:0.1.0 .
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# torch first, pinned to the GPU machines' version (its own triton comes with it).
+RUN pip install torch==2.11.0
+# Everything else at the versions CI tests (requirements-dev.txt as constraints).
+COPY requirements-dev.txt /tmp/requirements-dev.txt
+RUN grep -vE '^(torch|triton)==' /tmp/requirements-dev.txt > /tmp/constraints.txt
+COPY pyproject.toml setup.py README.md /src/
+COPY kvscale /src/kvscale
+COPY server /src/server
+COPY kernels /src/kernels
+COPY operator /src/operator
+RUN pip install -c /tmp/constraints.txt "/src[demo]" fastapi uvicorn prometheus_client
+
+FROM ${PYTHON_IMAGE}
+COPY --from=build /opt/venv /opt/venv
+RUN useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin kvscale
+WORKDIR /tmp
+# The pod's root filesystem is read-only: caches live under /tmp (an emptyDir there).
+ENV PATH=/opt/venv/bin:$PATH PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 HOME=/tmp \
+    KVSCALE_CACHE=/tmp/kvscale HF_HOME=/tmp/hf TRITON_CACHE_DIR=/tmp/triton
+USER 1000:1000
+EXPOSE 8000
+ENTRYPOINT ["kvscale"]
+CMD ["serve", "--model", "demo", "--host", "0.0.0.0", "--port", "8000"]

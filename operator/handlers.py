@@ -1,0 +1,135 @@
+"""Kopf handlers: thin wrappers around :func:`kvscale.operator.reconcile.reconcile`.
+
+Run with ``kopf run -m kvscale.operator.handlers --all-namespaces --standalone``.
+
+* LLMDeployment created, changed, or found at operator start (resume): full reconcile.
+* An owned Deployment or pod changed (rollout progress, a pod unschedulable or crashing):
+  reconcile the owner again, which refreshes its status and recreates what was deleted.
+* Deletion needs no handler: every child carries an ownerReference, so Kubernetes'
+  garbage collector removes them, and no finalizer can block the deletion.
+
+The autoscaler (next issue) adds a ``@kopf.daemon`` per LLMDeployment that writes
+``status.desiredReplicas``/``lastScaleTime``/``lastScaleReason`` and the ``ScalingActive``
+condition; :func:`kvscale.operator.spec.desired_replicas` already follows that decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvscale.operator import constants as c
+from kvscale.operator.config import OperatorConfig
+from kvscale.operator.kube import KubeClient
+from kvscale.operator.reconcile import LLMDEPLOYMENTS, Conflict, Outcome, reconcile
+
+LLMD = (c.GROUP, c.VERSION, c.PLURAL)
+CHILD_LABELS = {c.MANAGED_BY_LABEL: c.MANAGER, c.OWNER_LABEL: kopf.PRESENT}
+
+
+@kopf.on.startup()
+async def startup(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Keep Kopf's bookkeeping in annotations (status belongs to the LLMDeployment's users)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING  # our own events are posted explicitly
+    settings.posting.reporting_component = c.MANAGER
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    memo.config = OperatorConfig.from_env()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings
+    )
+    if info is None:
+        raise kopf.PermanentError("no in-cluster service account and no kubeconfig to log in with")
+    memo.api = KubeClient.from_connection_info(info)
+    memo.locks = {}
+    logger.info("kvscale operator: server image %s", memo.config.server_image)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    api = getattr(memo, "api", None)
+    if api is not None:
+        await api.close()
+
+
+def _lock(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Lock:
+    return memo.locks.setdefault((namespace, name), asyncio.Lock())
+
+
+def _post(body: Mapping[str, Any], outcome: Outcome) -> None:
+    for type_, reason, message in outcome.events:
+        kopf.event(body, type=type_, reason=reason, message=message)
+
+
+@kopf.on.resume(*LLMD)
+@kopf.on.create(*LLMD)
+@kopf.on.update(*LLMD)
+async def reconcile_llmdeployment(
+    body: kopf.Body, memo: kopf.Memo, namespace: str, name: str, **_: Any
+) -> None:
+    """Create or update the Deployment, Service and PodDisruptionBudget; report status."""
+    try:
+        async with _lock(memo, namespace, name):
+            outcome = await reconcile(memo.api, body, memo.config)
+    except Conflict as e:
+        raise kopf.TemporaryError(str(e), delay=1) from e
+    _post(body, outcome)
+    if outcome.invalid is not None:
+        # Nothing to retry until the spec changes (which calls this handler again).
+        raise kopf.PermanentError(f"invalid spec: {outcome.invalid}")
+    if outcome.retry:
+        reasons = "; ".join(p.message for p in outcome.problems)
+        raise kopf.TemporaryError(reasons, delay=memo.config.retry_delay_seconds)
+
+
+async def _reconcile_owner(
+    memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
+) -> None:
+    async with _lock(memo, namespace, name):
+        llmd = await memo.api.get(LLMDEPLOYMENTS.path(namespace, name))
+        if llmd is None or llmd["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            outcome = await reconcile(memo.api, llmd, memo.config)
+        except Conflict as e:
+            logger.debug(
+                "conflict while reconciling %s/%s: %s; the next event retries", namespace, name, e
+            )
+            return
+    _post(llmd, outcome)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
+async def owned_deployment_changed(
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Rollout progress, replica counts, or a deleted Deployment: reconcile the owner."""
+    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger)
+
+
+@kopf.on.event("v1", "pods", labels=CHILD_LABELS)
+async def owned_pod_changed(
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Unschedulable or crashing pods surface as the owner's Degraded condition."""
+    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger)
+
+
+@kopf.on.event(*LLMD)
+async def llmdeployment_event(
+    type: str | None, namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Forget per-object state once an LLMDeployment is gone (its children are GC'd)."""
+    if type == "DELETED":
+        memo.locks.pop((namespace, name), None)
+        logger.info("deleted; Kubernetes garbage-collects its Deployment, Service and PDB")

@@ -1,0 +1,535 @@
+"""Pure functions: an LLMDeployment (+ its typed spec) -> the Kubernetes objects it owns.
+
+Nothing here talks to the API. ``render_all`` returns plain dicts, each carrying the labels,
+the ownerReference and a hash of its own content (``serving.kvscale.dev/spec-hash``) that
+the reconciler compares instead of diffing server-defaulted objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from kvscale.operator import constants as c
+from kvscale.operator.config import OperatorConfig
+from kvscale.operator.spec import LLMDeploymentSpec, ModelSource
+
+Obj = dict[str, Any]
+
+CACHE_VOLUME = "model-cache"
+SHM_VOLUME = "dshm"
+TMP_VOLUME = "tmp"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The Deployment's selector (immutable, so minimal): one label naming the owner."""
+    return {c.OWNER_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    """``status.selector`` for the scale subresource (what an HPA lists pods by)."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def labels(name: str, component: str = "server") -> dict[str, str]:
+    return {
+        c.NAME_LABEL: c.SERVER_APP,
+        c.INSTANCE_LABEL: name,
+        c.COMPONENT_LABEL: component,
+        c.PART_OF_LABEL: "kvscale",
+        c.MANAGED_BY_LABEL: c.MANAGER,
+        **selector_labels(name),
+    }
+
+
+def owner_reference(llmd: Mapping[str, Any]) -> Obj:
+    meta = llmd["metadata"]
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(llmd: Mapping[str, Any], name: str, component: str = "server") -> Obj:
+    meta = llmd["metadata"]
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": labels(meta["name"], component),
+        "annotations": {},
+        "ownerReferences": [owner_reference(llmd)],
+    }
+
+
+def spec_hash(obj: Mapping[str, Any]) -> str:
+    """A stable hash of a rendered object, ignoring replicas and the hash itself."""
+    body = copy.deepcopy(dict(obj))
+    body.get("spec", {}).pop("replicas", None)
+    body.get("metadata", {}).get("annotations", {}).pop(c.SPEC_HASH_ANNOTATION, None)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _stamp(obj: Obj) -> Obj:
+    obj["metadata"]["annotations"][c.SPEC_HASH_ANNOTATION] = spec_hash(obj)
+    return obj
+
+
+def endpoint(llmd: Mapping[str, Any], spec: LLMDeploymentSpec, config: OperatorConfig) -> str:
+    """The in-cluster base URL of the Service (the OpenAI API lives under ``/v1``)."""
+    meta = llmd["metadata"]
+    host = f"{meta['name']}.{meta['namespace']}.svc.{config.cluster_domain}"
+    return f"http://{host}:{spec.service.port}"
+
+
+# --- model locations ---------------------------------------------------------------------------
+
+
+def model_path(source: ModelSource, slot: str) -> str:
+    """Where the server finds the weights of ``source`` (``slot``: model or draft)."""
+    if source.scheme == "builtin":
+        return "demo"
+    if source.scheme == "pvc":
+        base = f"{c.MODEL_ROOT}/{slot}-pvc"
+        return f"{base}/{source.pvc_path}" if source.pvc_path else base
+    return f"{c.MODEL_ROOT}/{slot}"
+
+
+def _download_container(
+    source: ModelSource, slot: str, spec: LLMDeploymentSpec, config: OperatorConfig
+) -> Obj | None:
+    """The init container that fetches hf:// or s3:// weights into the cache volume."""
+    if not source.needs_download:
+        return None
+    dest = model_path(source, slot)
+    env = [{"name": "HOME", "value": "/tmp"}]
+    if source.scheme == "hf":
+        image = spec.image or config.server_image
+        cmd = ["hf", "download", source.location, "--local-dir", dest]
+        if source.revision:
+            cmd += ["--revision", source.revision]
+        env += [
+            {"name": "HF_HOME", "value": "/tmp/hf"},
+            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        ]
+    else:
+        image = config.s3_downloader_image
+        cmd = ["aws", "s3", "sync", source.source, dest, "--only-show-errors"]
+    container: Obj = {
+        "name": f"{slot}-download",
+        "image": image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": cmd,
+        "env": env,
+        "volumeMounts": [
+            {"name": CACHE_VOLUME, "mountPath": c.MODEL_ROOT},
+            {"name": TMP_VOLUME, "mountPath": "/tmp"},
+        ],
+        "securityContext": _container_security(),
+    }
+    if source.credentials:
+        # The token never appears in the spec or the pod: it comes from the Secret.
+        container["envFrom"] = [{"secretRef": {"name": source.credentials.name}}]
+    return container
+
+
+# --- the server command line -------------------------------------------------------------------
+
+
+def server_args(spec: LLMDeploymentSpec, port: int = c.SERVER_PORT) -> list[str]:
+    """``kvscale serve`` flags for the target model, derived from the spec.
+
+    Flags with the server's default value are left out, so a feature the server does not
+    implement yet is only asked for when the spec really asks for it.
+    """
+    eng, model = spec.engine, spec.model
+    args = [
+        "serve",
+        "--model", model_path(model.source, "model"),
+        "--served-model-name", model.served_model_name,
+        "--host", "0.0.0.0",
+        "--port", str(port),
+        "--device", eng.device,
+        "--dtype", model.dtype,
+        "--max-num-seqs", str(eng.max_num_seqs),
+        "--drain-timeout", str(spec.lifecycle.drain_timeout_seconds),
+    ]  # fmt: skip
+    if eng.device == "cuda":
+        args += ["--gpu-memory-utilization", f"{eng.gpu_memory_utilization:g}"]
+    if model.max_model_len is not None:
+        args += ["--max-model-len", str(model.max_model_len)]
+    if eng.block_size is not None:
+        args += ["--block-size", str(eng.block_size)]
+    if eng.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
+    if eng.max_queue_len is not None:
+        args += ["--max-queue-len", str(eng.max_queue_len)]
+    if eng.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(eng.tensor_parallel_size)]
+    if eng.quantization != "none":
+        args += ["--quantization", eng.quantization]
+    if eng.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", eng.kv_cache_dtype]
+    if eng.prefix_caching:
+        args.append("--enable-prefix-caching")
+    if spec.speculative:
+        # The draft runs in the sidecar container; the target reaches it over the pod's loopback.
+        args += [
+            "--speculative-model", f"http://127.0.0.1:{c.DRAFT_PORT}/v1",
+            "--num-speculative-tokens", str(spec.speculative.num_speculative_tokens),
+        ]  # fmt: skip
+    # An API key reaches the server as $KVSCALE_API_KEY from the Secret, never as a flag.
+    return args + list(eng.extra_args)
+
+
+def draft_args(spec: LLMDeploymentSpec) -> list[str]:
+    """``kvscale serve`` flags for the draft sidecar (loopback only)."""
+    assert spec.speculative is not None
+    draft = spec.speculative
+    device = "cuda" if spec.engine.device == "cuda" and draft.resources.gpus > 0 else "cpu"
+    args = [
+        "serve",
+        "--model", model_path(draft.draft_model, "draft"),
+        "--served-model-name", draft.draft_model.default_name(),
+        "--host", "127.0.0.1",
+        "--port", str(c.DRAFT_PORT),
+        "--device", device,
+        "--drain-timeout", str(spec.lifecycle.drain_timeout_seconds),
+    ]  # fmt: skip
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    return args
+
+
+# --- containers --------------------------------------------------------------------------------
+
+
+def _container_security() -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _resources(cpu: str | None, memory: str | None, gpus: int) -> Obj:
+    requests: Obj = {}
+    limits: Obj = {}
+    if cpu:
+        requests["cpu"] = cpu
+    if memory:
+        requests["memory"] = limits["memory"] = memory
+    if gpus:
+        requests[c.GPU_RESOURCE] = limits[c.GPU_RESOURCE] = str(gpus)
+    out: Obj = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _base_env() -> list[Obj]:
+    """Writable places under /tmp (the root filesystem is read-only); weights are local."""
+    return [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "KVSCALE_CACHE", "value": "/tmp/kvscale"},
+        {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+    ]
+
+
+def _server_env(spec: LLMDeploymentSpec) -> list[Obj]:
+    env = _base_env()
+    if spec.service.api_key:
+        ref = spec.service.api_key
+        env.append(
+            {
+                "name": "KVSCALE_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    return env + [dict(e) for e in spec.env]
+
+
+def _model_mounts(spec: LLMDeploymentSpec) -> list[Obj]:
+    mounts: list[Obj] = []
+    sources = [("model", spec.model.source)]
+    if spec.speculative:
+        sources.append(("draft", spec.speculative.draft_model))
+    if any(s.needs_download for _, s in sources):
+        mounts.append({"name": CACHE_VOLUME, "mountPath": c.MODEL_ROOT, "readOnly": True})
+    for slot, source in sources:
+        if source.scheme == "pvc":
+            path = f"{c.MODEL_ROOT}/{slot}-pvc"
+            mounts.append({"name": f"{slot}-pvc", "mountPath": path, "readOnly": True})
+    return mounts
+
+
+def _volumes(spec: LLMDeploymentSpec) -> list[Obj]:
+    volumes: list[Obj] = [{"name": TMP_VOLUME, "emptyDir": {}}]
+    sources = [("model", spec.model.source)]
+    if spec.speculative:
+        sources.append(("draft", spec.speculative.draft_model))
+    if any(s.needs_download for _, s in sources):
+        cache: Obj = {}
+        if spec.model.cache_size:
+            cache["sizeLimit"] = spec.model.cache_size
+        volumes.append({"name": CACHE_VOLUME, "emptyDir": cache})
+    for slot, source in sources:
+        if source.scheme == "pvc":
+            volumes.append(
+                {
+                    "name": f"{slot}-pvc",
+                    "persistentVolumeClaim": {"claimName": source.pvc_claim, "readOnly": True},
+                }
+            )
+    if spec.engine.tensor_parallel_size > 1:
+        # NCCL moves tensors between ranks through /dev/shm; the container default is 64 MiB.
+        volumes.append(
+            {
+                "name": SHM_VOLUME,
+                "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory_size},
+            }
+        )
+    return volumes
+
+
+def _probes(spec: LLMDeploymentSpec) -> Obj:
+    """Startup covers the model load; liveness and readiness only start after it."""
+    period = 10
+    return {
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": period,
+            "timeoutSeconds": 5,
+            "failureThreshold": max(1, math.ceil(spec.lifecycle.startup_timeout_seconds / period)),
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 15,
+            "timeoutSeconds": 10,
+            "failureThreshold": 4,
+        },
+    }
+
+
+def _pre_stop(spec: LLMDeploymentSpec) -> Obj:
+    """Keep serving while endpoints drop the pod; SIGTERM then drains in-flight requests."""
+    delay = spec.lifecycle.pre_stop_delay_seconds
+    if not delay:
+        return {}
+    return {"lifecycle": {"preStop": {"exec": {"command": ["sleep", str(delay)]}}}}
+
+
+def _server_container(spec: LLMDeploymentSpec, config: OperatorConfig) -> Obj:
+    mounts = [{"name": TMP_VOLUME, "mountPath": "/tmp"}, *_model_mounts(spec)]
+    if spec.engine.tensor_parallel_size > 1:
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    res = spec.resources
+    return {
+        "name": "server",
+        "image": spec.image or config.server_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvscale"],
+        "args": server_args(spec),
+        "ports": [{"name": "http", "containerPort": c.SERVER_PORT, "protocol": "TCP"}],
+        "env": _server_env(spec),
+        "resources": _resources(res.cpu, res.memory, spec.gpus_per_replica),
+        "volumeMounts": mounts,
+        **_probes(spec),
+        **_pre_stop(spec),
+        "securityContext": _container_security(),
+    }
+
+
+def _draft_container(spec: LLMDeploymentSpec, config: OperatorConfig) -> Obj:
+    assert spec.speculative is not None
+    res = spec.speculative.resources
+    gpus = res.gpus if spec.engine.device == "cuda" else 0
+    return {
+        "name": "draft",
+        "image": spec.image or config.server_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvscale"],
+        "args": draft_args(spec),
+        "ports": [{"name": "draft", "containerPort": c.DRAFT_PORT, "protocol": "TCP"}],
+        "env": _base_env(),
+        "resources": _resources(res.cpu, res.memory, gpus),
+        "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}, *_model_mounts(spec)],
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "draft"},
+            "periodSeconds": 10,
+            "failureThreshold": max(1, math.ceil(spec.lifecycle.startup_timeout_seconds / 10)),
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "draft"},
+            "periodSeconds": 15,
+            "timeoutSeconds": 10,
+            "failureThreshold": 4,
+        },
+        **_pre_stop(spec),
+        "securityContext": _container_security(),
+    }
+
+
+def _scheduling(spec: LLMDeploymentSpec) -> Obj:
+    res = spec.resources
+    out: Obj = {}
+    selector = dict(res.node_selector)
+    if res.gpu_type:
+        selector[c.GPU_PRODUCT_LABEL] = res.gpu_type
+    if selector:
+        out["nodeSelector"] = selector
+    tolerations = [dict(t) for t in res.tolerations]
+    gpu_toleration = {"key": c.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+    if spec.gpus_per_replica and gpu_toleration not in tolerations:
+        tolerations.append(gpu_toleration)  # GPU nodes are commonly tainted this way
+    if tolerations:
+        out["tolerations"] = tolerations
+    if res.affinity:
+        out["affinity"] = copy.deepcopy(dict(res.affinity))
+    return out
+
+
+# --- the owned objects -------------------------------------------------------------------------
+
+
+def render_deployment(
+    llmd: Mapping[str, Any], spec: LLMDeploymentSpec, config: OperatorConfig, replicas: int
+) -> Obj:
+    name = llmd["metadata"]["name"]
+    init = [
+        ctr
+        for ctr in (
+            _download_container(spec.model.source, "model", spec, config),
+            spec.speculative
+            and _download_container(spec.speculative.draft_model, "draft", spec, config),
+        )
+        if ctr
+    ]
+    containers = [_server_container(spec, config)]
+    if spec.speculative:
+        containers.append(_draft_container(spec, config))
+    lc = spec.lifecycle
+    pod_spec: Obj = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": c.RUN_AS_USER,
+            "runAsGroup": c.RUN_AS_USER,
+            "fsGroup": c.RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": lc.pre_stop_delay_seconds + lc.drain_timeout_seconds + 30,
+        **({"initContainers": init} if init else {}),
+        "containers": containers,
+        "volumes": _volumes(spec),
+        **_scheduling(spec),
+    }
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    obj = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(llmd, name),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            # A surge pod keeps capacity during a rollout (it needs one spare replica's GPUs).
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            # Model loads are slow: only call a rollout stuck well after the startup budget.
+            "progressDeadlineSeconds": lc.startup_timeout_seconds + 600,
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {
+                    "labels": labels(name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(c.SERVER_PORT),
+                        "prometheus.io/path": "/metrics",
+                        "kubectl.kubernetes.io/default-container": "server",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+    return _stamp(obj)
+
+
+def render_service(llmd: Mapping[str, Any], spec: LLMDeploymentSpec) -> Obj:
+    name = llmd["metadata"]["name"]
+    meta = _metadata(llmd, name)
+    meta["annotations"].update(spec.service.annotations)
+    obj = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": spec.service.type,
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+    return _stamp(obj)
+
+
+def wants_pdb(spec: LLMDeploymentSpec) -> bool:
+    """A PodDisruptionBudget only makes sense when more than one replica can run."""
+    if spec.autoscaling.enabled:
+        return spec.autoscaling.max_replicas > 1
+    return spec.replicas > 1
+
+
+def render_pdb(llmd: Mapping[str, Any], spec: LLMDeploymentSpec) -> Obj | None:
+    if not wants_pdb(spec):
+        return None
+    name = llmd["metadata"]["name"]
+    obj = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(llmd, name),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(name)},
+            # A pod that never got ready (e.g. a bad model) must not block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+    return _stamp(obj)
+
+
+def render_all(
+    llmd: Mapping[str, Any], spec: LLMDeploymentSpec, config: OperatorConfig, replicas: int
+) -> list[Obj]:
+    """Every object the LLMDeployment owns, in the order they are applied."""
+    objs = [render_deployment(llmd, spec, config, replicas), render_service(llmd, spec)]
+    pdb = render_pdb(llmd, spec)
+    if pdb:
+        objs.append(pdb)
+    return objs

@@ -1,0 +1,521 @@
+"""Typed parsing of an LLMDeployment's ``spec`` with the CRD's defaults and rules.
+
+The CRD (``crds/``) defaults and validates on the API server; this module applies the same
+defaults and rules again so that the operator never acts on a spec the server would refuse
+(an old CRD, a cluster without CEL, a test calling the renderers directly). Every error names
+the field, e.g. ``spec.engine.tensorParallelSize: must be 1, 2, 4 or 8 (got 3)``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+TP_SIZES = (1, 2, 4, 8)
+DEVICES = ("cuda", "cpu")
+QUANTIZATIONS = ("none", "fp8", "awq", "gptq")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Flags the operator derives from the spec; extraArgs may not set them.
+MANAGED_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--device",
+    "--tensor-parallel-size",
+    "--quantization",
+    "--kv-cache-dtype",
+    "--enable-prefix-caching",
+    "--speculative-model",
+    "--num-speculative-tokens",
+    "--api-key",
+    "--drain-timeout",
+)
+SOURCE_PATTERN = re.compile(
+    r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?"
+    r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?"
+    r"|builtin://demo)$"
+)
+QUANTITY_PATTERN = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
+URL_PATTERN = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot act on; ``str()`` names the field and the fix."""
+
+
+def _err(path: str, message: str) -> SpecError:
+    return SpecError(f"{path}: {message}")
+
+
+def _obj(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise _err(f"{path}.{key}", f"must be an object (got {type(value).__name__})")
+    return value
+
+
+def _int(raw: Mapping[str, Any], key: str, path: str, default: int | None, lo: int, hi: int) -> Any:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _err(f"{path}.{key}", f"must be an integer (got {value!r})")
+    if not lo <= value <= hi:
+        raise _err(f"{path}.{key}", f"must be between {lo} and {hi} (got {value})")
+    return value
+
+
+def _bool(raw: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise _err(f"{path}.{key}", f"must be true or false (got {value!r})")
+    return value
+
+
+def _str(raw: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str | None:
+    value = raw.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise _err(f"{path}.{key}", f"must be a string (got {value!r})")
+    return value
+
+
+def _enum(
+    raw: Mapping[str, Any], key: str, path: str, default: str, allowed: tuple[str, ...]
+) -> str:
+    value = raw.get(key, default)
+    if value not in allowed:
+        raise _err(f"{path}.{key}", f"must be one of {', '.join(allowed)} (got {value!r})")
+    return value
+
+
+def _quantity(raw: Mapping[str, Any], key: str, path: str, default: str | None = None) -> Any:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise _err(f"{path}.{key}", f"must be a quantity such as 4, 500m or 16Gi (got {value!r})")
+    if isinstance(value, str) and not QUANTITY_PATTERN.match(value):
+        raise _err(f"{path}.{key}", f"must be a quantity such as 4, 500m or 16Gi (got {value!r})")
+    return str(value)
+
+
+def _secret_ref(
+    raw: Mapping[str, Any], key: str, path: str, default_key: str | None = None
+) -> SecretRef | None:
+    ref = raw.get(key)
+    if ref is None:
+        return None
+    if not isinstance(ref, Mapping) or not isinstance(ref.get("name"), str) or not ref["name"]:
+        raise _err(f"{path}.{key}.name", "is required (the name of a Secret in this namespace)")
+    if default_key is None:
+        return SecretRef(name=ref["name"])
+    return SecretRef(name=ref["name"], key=_str(ref, "key", f"{path}.{key}", default_key))
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """A Secret in the LLMDeployment's namespace (``key`` where one key is read)."""
+
+    name: str
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where weights come from: ``hf://org/name``, ``pvc://claim/path``, ``s3://bucket/prefix``
+    or ``builtin://demo`` (the server's random-weight demo model, for CPU tests)."""
+
+    source: str
+    revision: str | None = None
+    credentials: SecretRef | None = None
+
+    @property
+    def scheme(self) -> str:
+        return self.source.split("://", 1)[0]
+
+    @property
+    def location(self) -> str:
+        """Everything after ``scheme://``."""
+        return self.source.split("://", 1)[1]
+
+    @property
+    def needs_download(self) -> bool:
+        return self.scheme in ("hf", "s3")
+
+    @property
+    def pvc_claim(self) -> str:
+        return self.location.split("/", 1)[0]
+
+    @property
+    def pvc_path(self) -> str:
+        parts = self.location.split("/", 1)
+        return parts[1].strip("/") if len(parts) > 1 else ""
+
+    def default_name(self) -> str:
+        """The served model name when none is given."""
+        if self.scheme == "hf":
+            return self.location
+        if self.scheme == "builtin":
+            return self.location
+        parts = [p for p in self.location.split("/") if p]
+        return parts[-1]
+
+
+def _model_source(raw: Mapping[str, Any], path: str) -> ModelSource:
+    source = raw.get("source")
+    if not isinstance(source, str) or not SOURCE_PATTERN.match(source):
+        raise _err(
+            f"{path}.source",
+            "must be hf://org/name, pvc://claim/path, s3://bucket/prefix or builtin://demo "
+            f"(got {source!r})",
+        )
+    revision = _str(raw, "revision", path)
+    if revision is not None and not source.startswith("hf://"):
+        raise _err(f"{path}.revision", "applies to hf:// sources only")
+    creds = _secret_ref(raw, "credentialsSecretRef", path)
+    if creds is not None and not source.startswith(("hf://", "s3://")):
+        raise _err(f"{path}.credentialsSecretRef", "applies to hf:// and s3:// sources only")
+    return ModelSource(source=source, revision=revision, credentials=creds)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: ModelSource
+    served_model_name: str
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    cache_size: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    device: str = "cuda"
+    tensor_parallel_size: int = 1
+    quantization: str = "none"
+    prefix_caching: bool = False
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.9
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_queue_len: int | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DraftResources:
+    gpus: int = 1
+    cpu: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    draft_model: ModelSource
+    num_speculative_tokens: int
+    resources: DraftResources = field(default_factory=DraftResources)
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_cache_utilization_percent: int = 80
+    target_queue_depth_per_replica: int = 8
+    scale_up_stabilization_window_seconds: int = 60
+    scale_down_stabilization_window_seconds: int = 300
+    prometheus_url: str | None = None
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    gpu_type: str | None = None
+    cpu: str | None = None
+    memory: str | None = None
+    shared_memory_size: str = "16Gi"
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    type: str = "ClusterIP"
+    port: int = 8000
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    api_key: SecretRef | None = None
+
+
+@dataclass(frozen=True)
+class LifecycleSpec:
+    startup_timeout_seconds: int = 1800
+    drain_timeout_seconds: int = 120
+    pre_stop_delay_seconds: int = 10
+
+
+@dataclass(frozen=True)
+class LLMDeploymentSpec:
+    """The whole typed spec. Build it with :func:`parse_spec`."""
+
+    model: ModelSpec
+    engine: EngineSpec
+    speculative: SpeculativeSpec | None
+    replicas: int
+    autoscaling: AutoscalingSpec
+    resources: ResourcesSpec
+    service: ServiceSpec
+    lifecycle: LifecycleSpec
+    image: str | None = None
+    image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account_name: str | None = None
+    env: tuple[Mapping[str, Any], ...] = ()
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """GPUs the server container asks for: the TP size, none on CPU."""
+        return self.engine.tensor_parallel_size if self.engine.device == "cuda" else 0
+
+    @property
+    def secrets(self) -> list[tuple[str, SecretRef]]:
+        """Every Secret the pods need, with the field that names it."""
+        found = []
+        if self.model.source.credentials:
+            found.append(("spec.model.credentialsSecretRef", self.model.source.credentials))
+        if self.speculative and self.speculative.draft_model.credentials:
+            found.append(
+                (
+                    "spec.speculative.draftModel.credentialsSecretRef",
+                    self.speculative.draft_model.credentials,
+                )
+            )
+        if self.service.api_key:
+            found.append(("spec.service.apiKeySecretRef", self.service.api_key))
+        return found
+
+
+def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
+    path = "spec.model"
+    if not raw:
+        raise _err(path, "is required (at least spec.model.source)")
+    source = _model_source(raw, path)
+    name = _str(raw, "servedModelName", path) or source.default_name()
+    return ModelSpec(
+        source=source,
+        served_model_name=name,
+        max_model_len=_int(raw, "maxModelLen", path, None, 16, 10_000_000),
+        dtype=_enum(raw, "dtype", path, "auto", DTYPES),
+        cache_size=_quantity(raw, "cacheSize", path),
+    )
+
+
+def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
+    path = "spec.engine"
+    tp = _int(raw, "tensorParallelSize", path, 1, 1, 8)
+    if tp not in TP_SIZES:
+        raise _err(f"{path}.tensorParallelSize", f"must be 1, 2, 4 or 8 (got {tp})")
+    gmu = raw.get("gpuMemoryUtilization", 0.9)
+    if isinstance(gmu, bool) or not isinstance(gmu, int | float) or not 0.05 <= gmu <= 1.0:
+        raise _err(f"{path}.gpuMemoryUtilization", f"must be a number in [0.05, 1] (got {gmu!r})")
+    extra = raw.get("extraArgs") or []
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise _err(f"{path}.extraArgs", "must be a list of strings")
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            raise _err(
+                f"{path}.extraArgs",
+                f"{flag} is set by the operator from the typed fields; remove it from extraArgs",
+            )
+    return EngineSpec(
+        device=_enum(raw, "device", path, "cuda", DEVICES),
+        tensor_parallel_size=tp,
+        quantization=_enum(raw, "quantization", path, "none", QUANTIZATIONS),
+        prefix_caching=_bool(raw, "prefixCaching", path, False),
+        kv_cache_dtype=_enum(raw, "kvCacheDtype", path, "auto", KV_CACHE_DTYPES),
+        max_num_seqs=_int(raw, "maxNumSeqs", path, 256, 1, 65536),
+        gpu_memory_utilization=float(gmu),
+        block_size=_int(raw, "blockSize", path, None, 1, 256),
+        max_num_batched_tokens=_int(raw, "maxNumBatchedTokens", path, None, 1, 10_000_000),
+        max_queue_len=_int(raw, "maxQueueLen", path, None, 0, 10_000_000),
+        extra_args=tuple(extra),
+    )
+
+
+def _parse_speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
+    if not raw:
+        return None
+    path = "spec.speculative"
+    draft = raw.get("draftModel")
+    if not isinstance(draft, Mapping):
+        raise _err(f"{path}.draftModel", "is required when spec.speculative is set")
+    n = _int(raw, "numSpeculativeTokens", path, None, 1, 16)
+    if n is None:
+        raise _err(
+            f"{path}.numSpeculativeTokens", "is required when a draft model is set (1 to 16)"
+        )
+    res = _obj(raw, "resources", path)
+    return SpeculativeSpec(
+        draft_model=_model_source(draft, f"{path}.draftModel"),
+        num_speculative_tokens=n,
+        resources=DraftResources(
+            gpus=_int(res, "gpus", f"{path}.resources", 1, 0, 8),
+            cpu=_quantity(res, "cpu", f"{path}.resources"),
+            memory=_quantity(res, "memory", f"{path}.resources"),
+        ),
+    )
+
+
+def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
+    path = "spec.autoscaling"
+    url = _str(raw, "prometheusUrl", path)
+    if url is not None and not URL_PATTERN.match(url):
+        raise _err(f"{path}.prometheusUrl", f"must be an http(s) URL (got {url!r})")
+    spec = AutoscalingSpec(
+        enabled=_bool(raw, "enabled", path, False),
+        min_replicas=_int(raw, "minReplicas", path, 1, 1, 1000),
+        max_replicas=_int(raw, "maxReplicas", path, 4, 1, 1000),
+        target_kv_cache_utilization_percent=_int(
+            raw, "targetKVCacheUtilizationPercent", path, 80, 1, 100
+        ),
+        target_queue_depth_per_replica=_int(raw, "targetQueueDepthPerReplica", path, 8, 1, 10000),
+        scale_up_stabilization_window_seconds=_int(
+            raw, "scaleUpStabilizationWindowSeconds", path, 60, 0, 3600
+        ),
+        scale_down_stabilization_window_seconds=_int(
+            raw, "scaleDownStabilizationWindowSeconds", path, 300, 0, 3600
+        ),
+        prometheus_url=url,
+    )
+    if spec.min_replicas > spec.max_replicas:
+        raise _err(
+            path,
+            f"minReplicas ({spec.min_replicas}) must be <= maxReplicas ({spec.max_replicas})",
+        )
+    return spec
+
+
+def _parse_resources(raw: Mapping[str, Any]) -> ResourcesSpec:
+    path = "spec.resources"
+    selector = raw.get("nodeSelector") or {}
+    if not isinstance(selector, Mapping) or not all(isinstance(v, str) for v in selector.values()):
+        raise _err(f"{path}.nodeSelector", "must map label names to strings")
+    tolerations = raw.get("tolerations") or []
+    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
+        raise _err(f"{path}.tolerations", "must be a list of tolerations")
+    affinity = raw.get("affinity")
+    if affinity is not None and not isinstance(affinity, Mapping):
+        raise _err(f"{path}.affinity", "must be an affinity object")
+    return ResourcesSpec(
+        gpu_type=_str(raw, "gpuType", path),
+        cpu=_quantity(raw, "cpu", path),
+        memory=_quantity(raw, "memory", path),
+        shared_memory_size=_quantity(raw, "sharedMemorySize", path, "16Gi"),
+        node_selector=dict(selector),
+        tolerations=tuple(dict(t) for t in tolerations),
+        affinity=dict(affinity) if affinity else None,
+    )
+
+
+def _parse_service(raw: Mapping[str, Any]) -> ServiceSpec:
+    path = "spec.service"
+    annotations = raw.get("annotations") or {}
+    if not isinstance(annotations, Mapping):
+        raise _err(f"{path}.annotations", "must map names to strings")
+    return ServiceSpec(
+        type=_enum(raw, "type", path, "ClusterIP", SERVICE_TYPES),
+        port=_int(raw, "port", path, 8000, 1, 65535),
+        annotations=dict(annotations),
+        api_key=_secret_ref(raw, "apiKeySecretRef", path, default_key="api-key"),
+    )
+
+
+def _parse_lifecycle(raw: Mapping[str, Any]) -> LifecycleSpec:
+    path = "spec.lifecycle"
+    return LifecycleSpec(
+        startup_timeout_seconds=_int(raw, "startupTimeoutSeconds", path, 1800, 30, 86400),
+        drain_timeout_seconds=_int(raw, "drainTimeoutSeconds", path, 120, 0, 3600),
+        pre_stop_delay_seconds=_int(raw, "preStopDelaySeconds", path, 10, 0, 300),
+    )
+
+
+def _check_combinations(spec: LLMDeploymentSpec) -> None:
+    """The cross-field rules that the CRD states as CEL ``x-kubernetes-validations``."""
+    eng = spec.engine
+    if eng.device == "cpu":
+        if eng.tensor_parallel_size != 1:
+            raise _err("spec.engine", "tensorParallelSize > 1 needs device cuda")
+        if eng.quantization != "none":
+            raise _err(
+                "spec.engine", "quantization needs device cuda (the CPU path runs bf16/fp32)"
+            )
+        if eng.kv_cache_dtype != "auto":
+            raise _err("spec.engine", "an FP8 KV cache (kvCacheDtype) needs device cuda")
+    if eng.kv_cache_dtype != "auto" and eng.quantization in ("awq", "gptq"):
+        raise _err(
+            "spec.engine",
+            f"kvCacheDtype {eng.kv_cache_dtype} is not supported with {eng.quantization} "
+            "weights; use quantization none or fp8, or kvCacheDtype auto",
+        )
+    if eng.quantization in ("awq", "gptq") and spec.model.dtype not in ("auto", "float16"):
+        raise _err(
+            "spec.model.dtype",
+            f"{eng.quantization} kernels run in float16; use dtype auto or float16",
+        )
+
+
+def parse_spec(raw: Mapping[str, Any] | None) -> LLMDeploymentSpec:
+    """Parse and default ``spec``; raise :class:`SpecError` naming the bad field."""
+    if not isinstance(raw, Mapping):
+        raise _err("spec", "is required")
+    image = _str(raw, "image", "spec")
+    pull_secrets = raw.get("imagePullSecrets") or []
+    if not isinstance(pull_secrets, list) or not all(
+        isinstance(s, Mapping) and isinstance(s.get("name"), str) for s in pull_secrets
+    ):
+        raise _err("spec.imagePullSecrets", "must be a list of {name: secret}")
+    env = raw.get("env") or []
+    if not isinstance(env, list) or not all(
+        isinstance(e, Mapping) and isinstance(e.get("name"), str) for e in env
+    ):
+        raise _err("spec.env", "must be a list of {name, value | valueFrom}")
+    spec = LLMDeploymentSpec(
+        model=_parse_model(_obj(raw, "model", "spec")),
+        engine=_parse_engine(_obj(raw, "engine", "spec")),
+        speculative=_parse_speculative(_obj(raw, "speculative", "spec")),
+        replicas=_int(raw, "replicas", "spec", 1, 0, 1000),
+        autoscaling=_parse_autoscaling(_obj(raw, "autoscaling", "spec")),
+        resources=_parse_resources(_obj(raw, "resources", "spec")),
+        service=_parse_service(_obj(raw, "service", "spec")),
+        lifecycle=_parse_lifecycle(_obj(raw, "lifecycle", "spec")),
+        image=image or None,
+        image_pull_policy=_enum(raw, "imagePullPolicy", "spec", "IfNotPresent", PULL_POLICIES),
+        image_pull_secrets=tuple(s["name"] for s in pull_secrets),
+        service_account_name=_str(raw, "serviceAccountName", "spec"),
+        env=tuple(dict(e) for e in env),
+    )
+    _check_combinations(spec)
+    return spec
+
+
+def desired_replicas(spec: LLMDeploymentSpec, status: Mapping[str, Any] | None = None) -> int:
+    """Replicas the Deployment should run now.
+
+    Without autoscaling: ``spec.replicas`` (what ``kubectl scale`` and an HPA write).
+    With autoscaling: the autoscaler's ``status.desiredReplicas`` when it has decided,
+    else ``spec.replicas``; either way clamped to [minReplicas, maxReplicas].
+    """
+    auto = spec.autoscaling
+    if not auto.enabled:
+        return spec.replicas
+    decided = (status or {}).get("desiredReplicas") if (status or {}).get("lastScaleTime") else None
+    wanted = decided if isinstance(decided, int) else spec.replicas
+    return max(auto.min_replicas, min(auto.max_replicas, wanted))

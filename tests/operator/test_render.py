@@ -1,0 +1,297 @@
+"""Rendering is pure: LLMDeployment -> Deployment, Service, PodDisruptionBudget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvscale.cli import build_parser
+from kvscale.operator import constants as c
+from kvscale.operator import render
+from kvscale.operator.config import OperatorConfig
+from kvscale.operator.spec import parse_spec
+
+CONFIG = OperatorConfig(server_image="registry.local/kvscale-server:1.2.3")
+MakeLLMD = Callable[..., dict[str, Any]]
+
+
+def _render(make_llmd: MakeLLMD, spec: dict[str, Any], replicas: int | None = None, **kw: Any):
+    llmd = make_llmd(spec, **kw)
+    typed = parse_spec(llmd["spec"])
+    return (
+        llmd,
+        typed,
+        render.render_all(llmd, typed, CONFIG, typed.replicas if replicas is None else replicas),
+    )
+
+
+def _pod(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    return objs[0]["spec"]["template"]["spec"]
+
+
+def _container(pod: dict[str, Any], name: str = "server") -> dict[str, Any]:
+    return next(ctr for ctr in pod["containers"] if ctr["name"] == name)
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_single_gpu_hf_model(make_llmd: MakeLLMD) -> None:
+    _, _, objs = _render(
+        make_llmd, {"model": {"source": "hf://Qwen/Qwen2.5-1.5B", "maxModelLen": 4096}}
+    )
+    assert [o["kind"] for o in objs] == ["Deployment", "Service"]  # no PDB for one replica
+    deploy = objs[0]
+    pod = _pod(objs)
+    server = _container(pod)
+    assert server["image"] == CONFIG.server_image
+    assert server["resources"]["limits"][c.GPU_RESOURCE] == "1"
+    assert server["command"] == ["kvscale"] and server["args"][0] == "serve"
+    args = server["args"]
+    assert _flag(args, "--model") == "/models/model"
+    assert _flag(args, "--served-model-name") == "Qwen/Qwen2.5-1.5B"
+    assert _flag(args, "--max-model-len") == "4096" and _flag(args, "--device") == "cuda"
+    for unimplemented in ("--tensor-parallel-size", "--quantization", "--enable-prefix-caching"):
+        assert unimplemented not in args  # defaults are left to the server
+    # weights come from an init container into the shared cache volume
+    (init,) = pod["initContainers"]
+    assert init["command"][:3] == ["hf", "download", "Qwen/Qwen2.5-1.5B"]
+    assert {"name": "model-cache", "mountPath": "/models"} in init["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} not in pod[
+        "volumes"
+    ]
+    # ownership, labels, selector
+    for obj in objs:
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {
+            "apiVersion": c.API_VERSION, "kind": c.KIND, "name": "demo", "uid": "uid-demo",
+            "controller": True, "blockOwnerDeletion": True,
+        }  # fmt: skip
+        assert obj["metadata"]["labels"][c.OWNER_LABEL] == "demo"
+        assert obj["metadata"]["labels"][c.MANAGED_BY_LABEL] == c.MANAGER
+        assert c.SPEC_HASH_ANNOTATION in obj["metadata"]["annotations"]
+    assert deploy["spec"]["selector"] == {"matchLabels": {c.OWNER_LABEL: "demo"}}
+    assert deploy["spec"]["template"]["metadata"]["labels"][c.OWNER_LABEL] == "demo"
+    assert render.selector_string("demo") == f"{c.OWNER_LABEL}=demo"
+
+
+def test_tensor_parallel_asks_for_tp_gpus_and_shared_memory(make_llmd: MakeLLMD) -> None:
+    spec = {
+        "model": {"source": "hf://a/b"},
+        "engine": {"tensorParallelSize": 4},
+        "resources": {"sharedMemorySize": "32Gi", "gpuType": "NVIDIA-H100-80GB-HBM3"},
+    }
+    _, _, objs = _render(make_llmd, spec)
+    pod = _pod(objs)
+    server = _container(pod)
+    assert server["resources"]["requests"][c.GPU_RESOURCE] == "4"
+    assert server["resources"]["limits"][c.GPU_RESOURCE] == "4"
+    assert _flag(server["args"], "--tensor-parallel-size") == "4"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+    assert pod["nodeSelector"] == {c.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}
+    assert {"key": c.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+
+
+def test_engine_flags_follow_the_spec(make_llmd: MakeLLMD) -> None:
+    spec = {
+        "model": {"source": "pvc://models/llama/8b", "dtype": "bfloat16"},
+        "engine": {
+            "quantization": "fp8",
+            "kvCacheDtype": "fp8",
+            "prefixCaching": True,
+            "maxNumSeqs": 64,
+            "gpuMemoryUtilization": 0.85,
+            "maxNumBatchedTokens": 8192,
+            "maxQueueLen": 100,
+            "extraArgs": ["--seed", "7"],
+        },
+        "lifecycle": {"drainTimeoutSeconds": 45},
+    }
+    _, _, objs = _render(make_llmd, spec)
+    pod = _pod(objs)
+    args = _container(pod)["args"]
+    assert _flag(args, "--quantization") == "fp8" and _flag(args, "--kv-cache-dtype") == "fp8"
+    assert "--enable-prefix-caching" in args
+    assert (
+        _flag(args, "--max-num-seqs") == "64" and _flag(args, "--gpu-memory-utilization") == "0.85"
+    )
+    assert (
+        _flag(args, "--max-num-batched-tokens") == "8192"
+        and _flag(args, "--max-queue-len") == "100"
+    )
+    assert _flag(args, "--dtype") == "bfloat16" and _flag(args, "--drain-timeout") == "45"
+    assert args[-2:] == ["--seed", "7"]
+    # pvc:// is mounted read-only, no download
+    assert "initContainers" not in pod
+    assert _flag(args, "--model") == "/models/model-pvc/llama/8b"
+    assert {
+        "name": "model-pvc",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    } in pod["volumes"]
+
+
+def test_cpu_demo_needs_no_gpu(make_llmd: MakeLLMD) -> None:
+    _, _, objs = _render(
+        make_llmd, {"model": {"source": "builtin://demo"}, "engine": {"device": "cpu"}}
+    )
+    pod = _pod(objs)
+    server = _container(pod)
+    assert c.GPU_RESOURCE not in str(server["resources"]) and "tolerations" not in pod
+    assert _flag(server["args"], "--model") == "demo" and _flag(server["args"], "--device") == "cpu"
+    assert "--gpu-memory-utilization" not in server["args"]
+
+
+def test_probes_drain_and_security(make_llmd: MakeLLMD) -> None:
+    spec = {
+        "model": {"source": "hf://a/b"},
+        "lifecycle": {
+            "startupTimeoutSeconds": 3600,
+            "drainTimeoutSeconds": 120,
+            "preStopDelaySeconds": 10,
+        },
+    }
+    _, _, objs = _render(make_llmd, spec)
+    deploy, pod = objs[0], _pod(objs)
+    server = _container(pod)
+    startup = server["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # long model loads
+    assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert server["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert server["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
+    assert pod["terminationGracePeriodSeconds"] >= 10 + 120  # preStop + drain fit in the grace
+    assert deploy["spec"]["progressDeadlineSeconds"] > 3600
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    annotations = deploy["spec"]["template"]["metadata"]["annotations"]
+    assert (
+        annotations["prometheus.io/scrape"] == "true"
+        and annotations["prometheus.io/path"] == "/metrics"
+    )
+    assert annotations["prometheus.io/port"] == "8000"
+    assert (
+        pod["securityContext"]["runAsNonRoot"] is True
+        and pod["securityContext"]["runAsUser"] == 1000
+    )
+    assert pod["automountServiceAccountToken"] is False
+    for ctr in pod["containers"] + pod["initContainers"]:
+        sc = ctr["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_credentials_come_from_the_secret_never_inline(make_llmd: MakeLLMD) -> None:
+    spec = {
+        "model": {"source": "s3://bucket/llama", "credentialsSecretRef": {"name": "s3-creds"}},
+        "service": {"apiKeySecretRef": {"name": "api", "key": "token"}},
+    }
+    _, _, objs = _render(make_llmd, spec)
+    pod = _pod(objs)
+    (init,) = pod["initContainers"]
+    assert init["image"] == CONFIG.s3_downloader_image
+    assert init["command"][:4] == ["aws", "s3", "sync", "s3://bucket/llama"]
+    assert init["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    server = _container(pod)
+    key = next(e for e in server["env"] if e["name"] == "KVSCALE_API_KEY")
+    assert key["valueFrom"] == {"secretKeyRef": {"name": "api", "key": "token"}}
+    assert "--api-key" not in server["args"]  # the server reads $KVSCALE_API_KEY
+    assert "value" not in key
+
+
+def test_speculative_draft_sidecar(make_llmd: MakeLLMD) -> None:
+    spec = {
+        "model": {"source": "hf://org/big"},
+        "engine": {"tensorParallelSize": 2},
+        "speculative": {
+            "draftModel": {"source": "hf://org/small", "revision": "v2"},
+            "numSpeculativeTokens": 5,
+            "resources": {"gpus": 1, "memory": "8Gi"},
+        },
+    }
+    _, _, objs = _render(make_llmd, spec)
+    pod = _pod(objs)
+    assert [ctr["name"] for ctr in pod["containers"]] == ["server", "draft"]
+    assert [ctr["name"] for ctr in pod["initContainers"]] == ["model-download", "draft-download"]
+    assert pod["initContainers"][1]["command"][-2:] == ["--revision", "v2"]
+    server, draft = _container(pod), _container(pod, "draft")
+    assert draft["image"] == server["image"]  # same image, serving the draft model
+    assert (
+        _flag(draft["args"], "--model") == "/models/draft"
+        and _flag(draft["args"], "--host") == "127.0.0.1"
+    )
+    assert draft["resources"]["limits"] == {c.GPU_RESOURCE: "1", "memory": "8Gi"}
+    assert _flag(server["args"], "--num-speculative-tokens") == "5"
+    assert _flag(server["args"], "--speculative-model") == f"http://127.0.0.1:{c.DRAFT_PORT}/v1"
+    assert server["resources"]["limits"][c.GPU_RESOURCE] == "2"
+
+
+def test_service_and_pdb(make_llmd: MakeLLMD) -> None:
+    spec = {
+        "model": {"source": "hf://a/b"},
+        "replicas": 3,
+        "service": {"type": "LoadBalancer", "port": 80, "annotations": {"x": "y"}},
+    }
+    _, _, objs = _render(make_llmd, spec)
+    deploy, svc, pdb = objs
+    assert deploy["spec"]["replicas"] == 3
+    assert svc["spec"]["type"] == "LoadBalancer" and svc["metadata"]["annotations"]["x"] == "y"
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert svc["spec"]["selector"] == {c.OWNER_LABEL: "demo"}
+    assert pdb["kind"] == "PodDisruptionBudget" and pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == {"matchLabels": {c.OWNER_LABEL: "demo"}}
+    autoscaled = {
+        "model": {"source": "hf://a/b"},
+        "autoscaling": {"enabled": True, "maxReplicas": 3},
+    }
+    assert len(_render(make_llmd, autoscaled)[2]) == 3  # may grow past one replica
+
+
+def test_hash_is_stable_ignores_replicas_and_changes_with_the_template(make_llmd: MakeLLMD) -> None:
+    spec = {"model": {"source": "hf://a/b"}, "replicas": 2}
+    _, _, one = _render(make_llmd, spec)
+    _, _, again = _render(make_llmd, spec, replicas=5)
+    key = c.SPEC_HASH_ANNOTATION
+    assert one[0]["metadata"]["annotations"][key] == again[0]["metadata"]["annotations"][key]
+    _, _, changed = _render(make_llmd, {**spec, "engine": {"prefixCaching": True}})
+    assert one[0]["metadata"]["annotations"][key] != changed[0]["metadata"]["annotations"][key]
+    assert one[1]["metadata"]["annotations"][key] == changed[1]["metadata"]["annotations"][key]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {
+            "model": {"source": "builtin://demo", "maxModelLen": 512},
+            "engine": {"device": "cpu", "blockSize": 16},
+        },
+        {
+            "model": {"source": "hf://a/b"},
+            "engine": {
+                "tensorParallelSize": 2,
+                "quantization": "fp8",
+                "kvCacheDtype": "fp8",
+                "prefixCaching": True,
+            },
+        },
+        {
+            "model": {"source": "hf://a/b"},
+            "speculative": {"draftModel": {"source": "hf://a/c"}, "numSpeculativeTokens": 3},
+        },
+    ],
+)
+def test_rendered_command_lines_parse_with_the_cli(
+    make_llmd: MakeLLMD, spec: dict[str, Any]
+) -> None:
+    """Every flag the operator renders exists in `kvscale serve` (kvscale.cli.build_parser)."""
+    _, _, objs = _render(make_llmd, spec)
+    for ctr in _pod(objs)["containers"]:
+        assert ctr["command"] == ["kvscale"]
+        args = build_parser().parse_args(ctr["args"])
+        assert args.command == "serve"
