@@ -108,6 +108,17 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--attention-backend", default="auto", help="auto (default) | torch | triton")
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=256,
+        help="largest decode batch captured as a CUDA graph; 0 = none (default: %(default)s)",
+    )
+    g.add_argument(
         "--seed", type=int, default=0, help="seed of unseeded sampling (default: %(default)s)"
     )
     g = p.add_argument_group("server")

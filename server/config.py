@@ -26,6 +26,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_max_batch: int = 256  # largest decode batch replayed from a graph
 
     def __post_init__(self) -> None:
         if self.block_size not in VALID_BLOCK_SIZES:
@@ -47,6 +49,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -153,3 +153,78 @@ def demo_model_path(size: str = "demo") -> Path:
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     return path
+
+
+def write_random_checkpoint(
+    out_dir: str | Path,
+    arch: str,
+    config_kwargs: dict[str, Any],
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    std: float = 0.02,
+    seed: int = 0,
+    shard_bytes: int = 4 << 30,
+) -> Path:
+    """Writes a large random-weight checkpoint without building the model in memory.
+
+    Parameter names and shapes come from transformers' model class on the meta device;
+    each tensor is drawn N(0, std) on ``device`` (fast on a GPU), cast to ``dtype`` and
+    written into safetensors shards of about ``shard_bytes`` with an index file. Norm
+    weights are ones, as in a freshly initialised model. Used for the 8B-shaped
+    benchmark model, where initialising through transformers would take minutes.
+    """
+    import json as _json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    if arch not in _ARCHES:
+        raise ValueError(f"arch: {arch!r} is not one of {sorted(_ARCHES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out)
+    cfg_cls_name, model_cls_name = _ARCHES[arch]
+    config = getattr(transformers, cfg_cls_name)(**config_kwargs)
+    config.torch_dtype = dtype
+    config.architectures = [model_cls_name]
+    config.save_pretrained(str(out))
+    with torch.device("meta"):
+        shapes = {
+            name: tuple(p.shape)
+            for name, p in getattr(transformers, model_cls_name)(config).state_dict().items()
+        }
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    torch_dtype = parse_dtype(dtype)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    shard_size = 0
+    shards: list[dict[str, torch.Tensor]] = []
+
+    def flush() -> None:
+        nonlocal shard, shard_size
+        if shard:
+            shards.append(shard)
+            idx = len(shards)
+            name = f"model-{idx:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            shards[-1] = {}
+        shard, shard_size = {}, 0
+
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch_dtype)
+        else:
+            t = torch.empty(shape, device=device, dtype=torch.float32)
+            t.normal_(0.0, std, generator=gen)
+            t = t.to(torch_dtype).cpu()
+        shard[name] = t
+        shard_size += t.numel() * t.element_size()
+        if shard_size >= shard_bytes:
+            flush()
+    flush()
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(_json.dumps(index, indent=2))
+    return out

@@ -35,6 +35,8 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
         tokenizer: str | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_max_batch: int = 256,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -50,6 +52,8 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 attention_backend=attention_backend,
                 seed=seed,
+                enforce_eager=enforce_eager,
+                cuda_graph_max_batch=cuda_graph_max_batch,
             )
         )
         self._counter = 0

@@ -70,6 +70,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     cfg.torch_device()  # a missing GPU is a usage error, found before anything loads
     return cfg

@@ -69,6 +69,9 @@ class LLMEngine:
             config.gpu_memory_utilization,
             config.attention_backend,
             config.seed,
+            max_model_len=self.max_model_len,
+            enforce_eager=config.enforce_eager,
+            cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         if self.block_manager.blocks_for(self.max_model_len) > self.block_manager.num_blocks:

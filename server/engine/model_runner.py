@@ -15,6 +15,7 @@ import torch
 
 from kvscale.server.attention.backend import get_backend
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from kvscale.server.engine.scheduler import ScheduledBatch
 from kvscale.server.engine.sequence import Sequence
 from kvscale.server.forward_context import forward_context
@@ -51,6 +52,9 @@ class ModelRunner:
         gpu_memory_utilization: float,
         attention_backend: str,
         seed: int,
+        max_model_len: int = 0,
+        enforce_eager: bool = False,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         self.cfg = model_config
         self.device = device
@@ -66,6 +70,18 @@ class ModelRunner:
             num_kv_blocks = self._auto_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
         self.num_kv_blocks = num_kv_blocks
         self._allocate_kv_cache(num_kv_blocks)
+        self.graphs: DecodeGraphs | None = None
+        use_graphs = device.type == "cuda" and self.backend.name == "triton"
+        if use_graphs and not enforce_eager and cuda_graph_max_batch > 0:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                capture_sizes(cuda_graph_max_batch),
+                -(-max_model_len // block_size),
+                block_size,
+                device,
+            )
+            self.graphs.capture()
 
     # ---- KV pool -------------------------------------------------------------------
     @property
@@ -90,13 +106,12 @@ class ModelRunner:
         n_blocks = -(-max_tokens // self.block_size)
         self._allocate_kv_cache(n_blocks)
         ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        meta = _metadata_for(
+        meta = _metadata(
             [max_tokens],
             [max_tokens],
             [list(range(n_blocks))],
-            self.block_size,
+            list(range(max_tokens)),
             self.device,
-            [list(range(max_tokens))],
         )
         with torch.inference_mode(), forward_context(self.backend, meta):
             hidden = self.model(ids, torch.arange(max_tokens, device=self.device))
@@ -125,29 +140,32 @@ class ModelRunner:
         """Runs the batch; ``eos_ids[seq_id]`` lists tokens banned for that row (min_tokens)."""
         ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         q_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        bs = self.block_size
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             q_lens.append(n)
             seq_lens.append(start + n)
             if start + n == seq.num_tokens:
                 sample_rows.append(b)
+        tables = [s.block_table for s in batch.seqs]
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(ids) == len(sample_rows) == len(batch.seqs)  # decode only
+            and graphs.graph_size(len(ids)) is not None
+        ):
+            logits = graphs.run(ids, positions, slots, seq_lens, tables)
+            return self._sample(batch.seqs, logits, eos_ids)
         dev = self.device
-        meta = _metadata_for(
-            q_lens,
-            seq_lens,
-            [s.block_table for s in batch.seqs],
-            self.block_size,
-            dev,
-            [
-                list(range(s.num_computed_tokens, s.num_computed_tokens + n))
-                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-            ],
-        )
+        meta = _metadata(q_lens, seq_lens, tables, slots, dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         with forward_context(self.backend, meta):
@@ -219,22 +237,16 @@ class ModelRunner:
         return t, prompt_mask, counts
 
 
-def _metadata_for(
+def _metadata(
     q_lens: list[int],
     seq_lens: list[int],
     tables: list[list[int]],
-    block_size: int,
+    slots: list[int],
     device: torch.device,
-    positions: list[list[int]],
 ) -> AttentionMetadata:
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    slots = [
-        table[p // block_size] * block_size + p % block_size
-        for table, pos in zip(tables, positions, strict=True)
-        for p in pos
-    ]
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
     return AttentionMetadata(

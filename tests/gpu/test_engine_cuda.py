@@ -78,3 +78,13 @@ def test_kv_pool_sized_from_gpu_memory(checkpoint_factory: Callable[..., Path]) 
     assert 0.3 * total < pool < 0.5 * total
     out = llm.generate(PROMPTS[:2], GREEDY)
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+
+
+def test_cuda_graphs_match_eager(checkpoint_factory: Callable[..., Path]) -> None:
+    """Decode steps replayed from CUDA graphs (padded batch sizes) give the eager tokens."""
+    path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
+    eager, _ = _run(path, "triton", "float32", enforce_eager=True, **STRESS)
+    graphs, llm = _run(path, "triton", "float32", cuda_graph_max_batch=16, **STRESS)
+    assert llm.engine.runner.graphs is not None
+    assert llm.engine.runner.graphs.batch_sizes == [1, 2, 4, 8, 16]
+    assert graphs == eager

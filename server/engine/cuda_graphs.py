@@ -1,0 +1,144 @@
+"""CUDA graphs for decode steps: captured at start-up, replayed with padding.
+
+A decode step (one new token per sequence) runs the same kernels every time; only the
+inputs change. For each batch size in ``batch_sizes`` the whole forward plus the LM
+head is captured once, reading from static buffers (token ids, positions, slot mapping,
+sequence lengths, block tables). A step of ``n`` sequences copies its inputs into the
+first ``n`` rows and replays the smallest graph with at least ``n`` rows; padding rows
+write nothing (slot -1) and attend to one token of block 0, and their logits are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvscale.server.attention.backend import AttentionBackend
+from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.forward_context import forward_context
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to ``max_batch`` (which is always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if max_batch not in sizes:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        batch_sizes: list[int],
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_batch = self.batch_sizes[-1]
+        self.max_blocks = max_blocks_per_seq
+        self.block_size = block_size
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # Host staging: ids, positions, slots, seq_lens in one pinned buffer, one copy.
+        self._host = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
+        self._dev = torch.zeros(4, n, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        # max_seq_len is the table's capacity: it fixes the split-KV choice at capture.
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size,
+            query_start_loc_cpu=list(range(bs + 1)),
+            seq_lens_cpu=[1] * bs,
+        )
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        with forward_context(self.backend, self._meta(bs)):
+            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+            return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every batch size, largest first, sharing one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):
+                self._forward(bs)  # warm-up: compiles kernels outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.logits[bs] = self._forward(bs)
+                self.graphs[bs] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def graph_size(self, n: int) -> int | None:
+        """The smallest captured batch size >= n, or None if n is too large."""
+        for bs in self.batch_sizes:
+            if bs >= n:
+                return bs
+        return None
+
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Replays the graph for ``len(ids)`` decode rows; returns fp32 logits ``[n, V]``.
+
+        The pinned staging buffer is reused each step: safe because the caller reads the
+        sampled tokens back (a sync) before the next step writes it again."""
+        n = len(ids)
+        bs = self.graph_size(n)
+        assert bs is not None
+        host = self._host
+        host[0, :n] = torch.tensor(ids)
+        host[1, :n] = torch.tensor(positions)
+        host[2, :n] = torch.tensor(slots)
+        host[3, :n] = torch.tensor(seq_lens)
+        host[0, n:bs] = 0
+        host[1, n:bs] = 0
+        host[2, n:bs] = -1
+        host[3, n:bs] = 1
+        self._dev[:, :bs].copy_(host[:, :bs], non_blocking=True)
+        self.input_ids[:bs].copy_(self._dev[0, :bs])
+        self.positions[:bs].copy_(self._dev[1, :bs])
+        self.slot_mapping[:bs].copy_(self._dev[2, :bs])
+        self.seq_lens[:bs].copy_(self._dev[3, :bs])
+        width = max(len(t) for t in tables)
+        table = np.zeros((n, width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        # Rows past ``width`` keep stale entries: kernels never read past a row's length.
+        self.block_tables[:n, :width].copy_(torch.from_numpy(table), non_blocking=False)
+        if bs > n:
+            self.block_tables[n:bs, 0] = 0
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]
