@@ -147,7 +147,57 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def summarize_steps(steps: list[tuple[float, float, int, int]]) -> dict[str, Any]:
+    """Per-step ``(step_s, execute_s, decode_rows, prefill_tokens)`` -> where time went:
+    counts and mean times (ms) of pure-decode and mixed/prefill steps, and the mean host
+    time outside ``execute`` (scheduling, bookkeeping) per step."""
+    decode = [x for x in steps if x[3] == 0]
+    mixed = [x for x in steps if x[3] > 0]
+
+    def mean_ms(xs: list[float]) -> float:
+        return 1e3 * statistics.fmean(xs) if xs else 0.0
+
+    return {
+        "num_steps": len(steps),
+        "decode_steps": len(decode),
+        "decode_step_ms": mean_ms([x[0] for x in decode]),
+        "decode_execute_ms": mean_ms([x[1] for x in decode]),
+        "decode_mean_batch": statistics.fmean(x[2] for x in decode) if decode else 0.0,
+        "prefill_steps": len(mixed),
+        "prefill_step_ms": mean_ms([x[0] for x in mixed]),
+        "host_outside_execute_ms": mean_ms([x[0] - x[1] for x in steps]),
+        "total_step_s": sum(x[0] for x in steps),
+    }
+
+
 # ---------------------------------------------------------------- GPU runs
+def _instrument(eng: Any) -> list[tuple[float, float, int, int]]:
+    """Wraps the engine's step and the runner's execute with timers (adds ~1 us)."""
+    steps: list[tuple[float, float, int, int]] = []
+    last: dict[str, Any] = {}
+    execute, step = eng.runner.execute, eng.step
+
+    def timed_execute(batch: Any, banned: Any) -> Any:
+        t0 = time.perf_counter()
+        out = execute(batch, banned)
+        last["exec"] = time.perf_counter() - t0
+        n = batch.num_new_tokens
+        last["decode"] = sum(1 for x in n if x == 1)
+        last["prefill"] = sum(x for x in n if x > 1)
+        return out
+
+    def timed_step() -> Any:
+        t0 = time.perf_counter()
+        last.clear()
+        out = step()
+        if last:
+            steps.append((time.perf_counter() - t0, last["exec"], last["decode"], last["prefill"]))
+        return out
+
+    eng.runner.execute, eng.step = timed_execute, timed_step
+    return steps
+
+
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     import torch
 
@@ -197,11 +247,13 @@ def run_ours(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
     prompts = _prompts(256, 512, 1)
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    steps = _instrument(eng)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    res["steps"] = summarize_steps(steps)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     res["throughput"] = {
         "wall_s": wall,
@@ -243,6 +295,147 @@ def run_peer_latency(ckpt: Path) -> dict[str, Any]:
     return res
 
 
+def run_peer_throughput(ckpt: Path) -> dict[str, Any]:
+    """transformers' continuous-batching ``generate_batch`` (paged attention) on A."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(ckpt), dtype=torch.bfloat16, attn_implementation="paged|sdpa"
+    ).cuda()
+    cfg = GenerationConfig(
+        max_new_tokens=256, min_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    prompts = _prompts(256, 512, 1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=cfg)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n_out = sum(len(r.generated_tokens) for r in results.values())
+    del model, results
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"wall_s": wall, "output_tokens": n_out, "output_tok_per_s": n_out / wall}
+
+
+def run_serving(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dict[str, Any]:
+    """Workload D: ``kvscale serve`` under ``kvscale bench serve`` (ShareGPT-like lengths)."""
+    import os
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvscale.cli",
+            "serve",
+            "--model",
+            str(ckpt),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "2048",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--disable-access-log",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if urllib.request.urlopen(f"{base}/ready", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"kvscale serve exited with {server.returncode}")
+            time.sleep(1)
+        else:
+            raise RuntimeError("kvscale serve did not become ready in 300 s")
+        results = {}
+        for c in concurrencies:
+            n = max(16, 2 * c)
+            path = out_dir / f"serve_c{c}.json"
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvscale.cli",
+                    "bench",
+                    "serve",
+                    "--base-url",
+                    base,
+                    "--dataset",
+                    "sharegpt-like",
+                    "--num-prompts",
+                    str(n),
+                    "--request-rate",
+                    "inf",
+                    "--max-concurrency",
+                    str(c),
+                    "--seed",
+                    "0",
+                    "--result-file",
+                    str(path),
+                    "--disable-tqdm",
+                ],
+                env=env,
+                check=True,
+                timeout=600,
+            )
+            results[c] = json.loads(path.read_text())
+            print(
+                f"serve c={c}: {results[c]['output_throughput']:.0f} tok/s, median TPOT "
+                f"{results[c]['median_tpot_ms']:.1f} ms, failed {results[c]['failed_requests']}",
+                flush=True,
+            )
+        return results
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def plot_serving(results: dict[int, dict[str, Any]], path: Path, title: str) -> None:
+    """Output throughput and median/p99 TPOT against concurrency, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = sorted(results)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(cs, [results[c]["output_throughput"] for c in cs], "o-")
+    a.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    b.plot(cs, [results[c]["median_tpot_ms"] for c in cs], "o-", label="median")
+    b.plot(cs, [results[c]["p99_tpot_ms"] for c in cs], "s--", label="p99")
+    b.set(xscale="log", xlabel="concurrency", ylabel="ms", title="time per output token")
+    b.legend()
+    for ax in (a, b):
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default="bench/results")
@@ -254,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-peer", action="store_true", help="skip the peer entirely")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--serve", default="", help="workload D concurrencies, e.g. 1,16,64,256")
     args = ap.parse_args(argv)
 
     import torch
@@ -276,8 +470,19 @@ def main(argv: list[str] | None = None) -> int:
     ours = run_ours(ckpt, args)
     print("kvscale:", json.dumps(ours), flush=True)
     peer: dict[str, Any] = {}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    serving: dict[int, dict[str, Any]] = {}
+    if args.serve:
+        try:
+            serving = run_serving(ckpt, out, [int(c) for c in args.serve.split(",")])
+        except (RuntimeError, OSError, ValueError) as e:  # report, keep the other workloads
+            print(f"workload D failed: {e!r}", flush=True)
     if not args.no_peer:
         peer["latency"] = run_peer_latency(ckpt)
+        print("peer:", json.dumps(peer), flush=True)
+    if args.peer_throughput:
+        peer["throughput"] = run_peer_throughput(ckpt)
         print("peer:", json.dumps(peer), flush=True)
     cfg = LLAMA_31_8B
     floor_ms = 1e3 * decode_step_floor_s(cfg, 128 + 128, copy_bps)
@@ -320,10 +525,37 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_graphs": not args.enforce_eager,
         "params": param_counts(cfg)["total"],
     }
+    for c, r in sorted(serving.items()):
+        rows.append(
+            Row(
+                f"D serve c={c}",
+                "median TPOT (ms)",
+                r["median_tpot_ms"],
+                None,
+                None,
+                False,
+                "<= 12 ms at c=64" if c == 64 else "",
+            )
+        )
+        rows.append(
+            Row(
+                f"D serve c={c}",
+                "output tok/s",
+                r["output_throughput"],
+                None,
+                None,
+                True,
+                f"failed {r['failed_requests']}",
+            )
+        )
     table = format_table(rows)
     print(table)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if serving:
+        plot_serving(
+            serving,
+            out / "serving.png",
+            f"kvscale serve, Llama-3.1-8B shapes, {meta['gpu']}, {meta['date']}",
+        )
     (out / "engine.json").write_text(
         json.dumps(
             {

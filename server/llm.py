@@ -54,6 +54,7 @@ class LLM:
                 seed=seed,
                 enforce_eager=enforce_eager,
                 cuda_graph_max_batch=cuda_graph_max_batch,
+                stream_outputs=False,  # generate() returns final outputs only
             )
         )
         self._counter = 0

@@ -51,3 +51,12 @@ def test_table_ratios_and_fractions() -> None:
     assert "| 13.33x | 5.40 | 90.0% |" in table  # lower is better: peer / ours
     assert "| 12.00x | 12000.00 | 50.0% |" in table
     assert "not run" in table
+
+
+def test_step_summary_splits_decode_and_prefill_steps() -> None:
+    s = eb.summarize_steps([(0.02, 0.015, 256, 0), (0.02, 0.017, 256, 0), (0.2, 0.19, 16, 8000)])
+    assert s["decode_steps"] == 2 and s["prefill_steps"] == 1
+    assert s["decode_step_ms"] == pytest.approx(20.0)
+    assert s["decode_execute_ms"] == pytest.approx(16.0)
+    assert s["host_outside_execute_ms"] == pytest.approx((5 + 3 + 10) / 3)
+    assert eb.summarize_steps([])["decode_step_ms"] == 0.0

@@ -23,6 +23,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self.num_fed = 0  # output tokens given to update() so far
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -30,6 +31,7 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str:
         """Appends tokens; returns the newly complete text (may be empty)."""
         self.ids.extend(new_token_ids)
+        self.num_fed += len(new_token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
@@ -39,6 +41,15 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def finish(self, output_token_ids: list[int]) -> str:
+        """At the end: feeds the output tokens not seen yet, then flushes."""
+        delta = (
+            self.update(output_token_ids[self.num_fed :])
+            if len(output_token_ids) > self.num_fed
+            else ""
+        )
+        return delta + self.flush()
 
     def flush(self) -> str:
         """At the end: whatever is still held back (e.g. a lone partial character)."""

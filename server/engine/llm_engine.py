@@ -86,6 +86,7 @@ class LLMEngine:
         )
         self.device = device
         self.dtype = dtype
+        self.stream_outputs = config.stream_outputs
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0
@@ -174,7 +175,8 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns the state of every request that got a token or finished."""
+        """Runs one batch; returns the state of every request that got a token or finished
+        (only finished ones when the config's ``stream_outputs`` is False)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -201,13 +203,23 @@ class LLMEngine:
             lp = result.logprobs[row]
             if lp is not None and seq.logprobs is not None:
                 seq.logprobs.append(self._logprob_entry(token, lp))
-            delta = req.detokenizers[seq.index].update([token])
+            detok = req.detokenizers[seq.index]
+            # Offline runs read only final outputs: text is then made once at the end,
+            # unless stop strings need it now.
+            delta = ""
+            if self.stream_outputs or seq.params.stop_strings:
+                delta = detok.update([token])
             self._check_stop(seq, req, token, delta)
             if seq.finish_reason is not None:
+                if not isinstance(seq.stop_reason, str):  # a stop string already cut it
+                    detok.finish(seq.output_token_ids)
                 self.scheduler.finish(seq)
                 seq.finished_time = now
             touched[req.request_id] = req
-        outputs = [req.output() for req in touched.values()]
+        reqs = (
+            touched.values() if self.stream_outputs else [r for r in touched.values() if r.finished]
+        )
+        outputs = [req.output() for req in reqs]
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
@@ -248,8 +260,6 @@ class LLMEngine:
             seq.finish_reason = "length"
         elif seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            req.detokenizers[seq.index].flush()
 
     # ---- introspection ---------------------------------------------------------------
     def stats(self) -> EngineStats:

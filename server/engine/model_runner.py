@@ -205,21 +205,35 @@ class ModelRunner:
         ps = [s.params for s in seqs]
         dev = self.device
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=dev)
-
         do_pen = any(
             p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps
         )
+        # One host-to-device copy for all per-row parameters.
+        cols = torch.tensor(
+            [
+                (
+                    p.temperature,
+                    p.top_k,
+                    p.top_p,
+                    p.min_p,
+                    p.greedy,
+                    p.repetition_penalty,
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                )
+                for p in ps
+            ],
+            dtype=torch.float32,
+        ).to(dev, non_blocking=True)
         t = SamplingTensors(
-            temperature=f32([p.temperature for p in ps]),
-            top_k=torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
-            top_p=f32([p.top_p for p in ps]),
-            min_p=f32([p.min_p for p in ps]),
-            greedy=torch.tensor([p.greedy for p in ps], dtype=torch.bool, device=dev),
-            repetition_penalty=f32([p.repetition_penalty for p in ps]),
-            presence_penalty=f32([p.presence_penalty for p in ps]),
-            frequency_penalty=f32([p.frequency_penalty for p in ps]),
+            temperature=cols[:, 0],
+            top_k=cols[:, 1].long(),
+            top_p=cols[:, 2],
+            min_p=cols[:, 3],
+            greedy=cols[:, 4].bool(),
+            repetition_penalty=cols[:, 5],
+            presence_penalty=cols[:, 6],
+            frequency_penalty=cols[:, 7],
             do_top_k=any(p.top_k > 0 for p in ps),
             do_top_p_min_p=any(p.top_p < 1 or p.min_p > 0 for p in ps),
             do_penalties=do_pen,
