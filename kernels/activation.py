@@ -14,7 +14,8 @@ import triton.language as tl
 from kvscale.kernels._utils import next_power_of_2
 
 
-@triton.jit
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_rows"])
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,

@@ -17,7 +17,8 @@ import triton.language as tl
 from kvscale.kernels._utils import is_interpreter, next_power_of_2
 
 
-@triton.jit
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_cache_kernel(
     k_ptr,
     v_ptr,

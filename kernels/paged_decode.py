@@ -70,7 +70,8 @@ def decode_config(head_dim: int, block_size: int) -> dict[str, int]:
     return {"BLOCK_N": max(block_n, min(block_size, 128)), "num_warps": 4, "num_stages": 3}
 
 
-@triton.jit
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -163,7 +164,8 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _split_reduce_kernel(
     m_ptr,
     l_ptr,

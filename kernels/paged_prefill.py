@@ -121,7 +121,8 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -15,7 +15,8 @@ import triton.language as tl
 from kvscale.kernels._utils import next_power_of_2
 
 
-@triton.jit
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,
@@ -37,7 +38,8 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_rows"])
 def _fused_add_rms_norm_kernel(
     x_ptr,
     res_ptr,

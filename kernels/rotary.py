@@ -48,7 +48,8 @@ def _rotate_heads(
     tl.store(ptr1 + HALF, o2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rotary_kernel(
     pos_ptr,
     q_ptr,
