@@ -212,3 +212,35 @@ def test_repetition_penalty_matches_hand_computed(llm: LLM, llama_ckpt: Path) ->
             llm, [q], SamplingParams(temperature=0, max_tokens=1, repetition_penalty=penalty)
         )[0]
         assert got == [expected]
+
+
+def test_frequency_and_presence_penalties_match_hand_computed(llm: LLM, llama_ckpt: Path) -> None:
+    """Greedy with penalties on generated tokens = argmax of HF logits minus
+    ``frequency * count + presence * [count > 0]`` at every step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_ckpt), dtype=torch.float32)
+    prompt = [1] + [100] * 10  # a repetitive prompt: the random model then repeats itself
+    plain = _tokens(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(set(plain)) < len(plain)
+    freq, pres = 1.5, 0.5
+    got = _tokens(
+        llm,
+        [prompt],
+        SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            ignore_eos=True,
+            frequency_penalty=freq,
+            presence_penalty=pres,
+        ),
+    )[0]
+    expected: list[int] = []
+    for _ in range(8):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + expected])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(expected, dtype=torch.long), minlength=logits.shape[0])
+        logits -= freq * counts + pres * (counts > 0).float()
+        expected.append(int(logits.argmax()))
+    assert got == expected
+    assert got != plain

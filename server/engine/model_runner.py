@@ -240,15 +240,23 @@ class ModelRunner:
         )
         if not do_pen:
             return t, None, None
-        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
-        counts = torch.zeros(len(seqs), vocab, dtype=torch.int32, device=dev)
-        for row, s in enumerate(seqs):
-            prompt_mask[row, torch.tensor(s.prompt_token_ids, device=dev)] = True
-            out = s.output_token_ids
-            if out:
-                idx = torch.tensor(out, dtype=torch.long, device=dev)
-                counts[row].index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
+        # Ragged token lists -> padded id matrices (pad id = vocab, a spare last column),
+        # then one scatter each: no per-row device work.
+        prompt_ids = _padded([s.prompt_token_ids for s in seqs], vocab, dev)
+        output_ids = _padded([s.output_token_ids for s in seqs], vocab, dev)
+        n = len(seqs)
+        prompt_mask = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev)
+        prompt_mask.scatter_(1, prompt_ids, True)
+        counts = torch.zeros(n, vocab + 1, dtype=torch.int32, device=dev)
+        counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.int32))
+        prompt_mask, counts = prompt_mask[:, :vocab], counts[:, :vocab]
         return t, prompt_mask, counts
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 ``[len(rows), max_len]`` tensor padded with ``pad`` (min width 1)."""
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
 
 
 def _metadata(
