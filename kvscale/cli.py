@@ -113,6 +113,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
     )
     g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the layers around attention (Inductor); slower start-up",
+    )
+    g.add_argument(
         "--cuda-graph-max-batch",
         type=int,
         default=256,

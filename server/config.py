@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_max_batch: int = 256  # largest decode batch replayed from a graph
+    compile: bool = False  # torch.compile the non-attention parts (Inductor)
     # True: step() returns every request's state each step (servers stream it);
     # False: only finished requests, and text is detokenized once at the end.
     stream_outputs: bool = True

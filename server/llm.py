@@ -37,6 +37,7 @@ class LLM:
         tokenizer: str | None = None,
         enforce_eager: bool = False,
         cuda_graph_max_batch: int = 256,
+        compile: bool = False,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -54,6 +55,7 @@ class LLM:
                 seed=seed,
                 enforce_eager=enforce_eager,
                 cuda_graph_max_batch=cuda_graph_max_batch,
+                compile=compile,
                 stream_outputs=False,  # generate() returns final outputs only
             )
         )

@@ -72,6 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
+        compile=args.compile,
     )
     cfg.torch_device()  # a missing GPU is a usage error, found before anything loads
     return cfg

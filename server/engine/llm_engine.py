@@ -72,6 +72,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enforce_eager=config.enforce_eager,
             cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+            compile_model=config.compile,
         )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         if self.block_manager.blocks_for(self.max_model_len) > self.block_manager.num_blocks:

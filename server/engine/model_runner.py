@@ -55,14 +55,21 @@ class ModelRunner:
         max_model_len: int = 0,
         enforce_eager: bool = False,
         cuda_graph_max_batch: int = 0,
+        compile_model: bool = False,
     ) -> None:
         self.cfg = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.backend = get_backend(attention_backend, device)
-        ops.use_kernels(self.backend.name == "triton")
+        # Compiled: Inductor fuses the elementwise references itself; eager on CUDA: the
+        # hand-written Triton kernels.
+        ops.use_kernels(self.backend.name == "triton" and not compile_model)
         self.model = load_model(model_config, model_path, dtype, device)
+        if compile_model:
+            # Attention stays an opaque custom op (see layers/attention.py); token counts
+            # vary every step, so shapes are dynamic.
+            self.model.model = torch.compile(self.model.model, dynamic=True)
         self.attn_layers = self.model.attention_layers()  # type: ignore[operator]
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)

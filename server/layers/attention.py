@@ -1,4 +1,10 @@
-"""The attention layer: writes new K/V into this layer's paged cache, then attends."""
+"""The attention layer: writes new K/V into this layer's paged cache, then attends.
+
+Under ``torch.compile`` the attention call is one opaque custom op,
+``kvscale::paged_attention``, so that Inductor compiles the rest of each layer (norms,
+projections, rotary, MLP) around it and attention stays on the backend's kernels: the
+piecewise split SGLang and vLLM use.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,34 @@ import torch
 from torch import nn
 
 from kvscale.server.forward_context import get_forward_context
+
+
+@torch.library.custom_op("kvscale::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``q [T, Hq, D]``, ``k, v [T, Hk, D]`` -> ``[T, Hq, D]`` through the current step's
+    attention backend and metadata (the forward context)."""
+    ctx = get_forward_context()
+    ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.attn)
+    return ctx.backend.attend(q, k_cache, v_cache, ctx.attn, scale)
+
+
+@paged_attention.register_fake
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 class Attention(nn.Module):
@@ -25,10 +59,13 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx = get_forward_context()
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.attn)
-        out = ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.attn, self.scale)
-        return out.view(-1, self.num_heads * self.head_dim)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if torch.compiler.is_compiling():
+            out = torch.ops.kvscale.paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        else:
+            ctx = get_forward_context()
+            ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.attn)
+            out = ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.attn, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)

@@ -88,3 +88,13 @@ def test_cuda_graphs_match_eager(checkpoint_factory: Callable[..., Path]) -> Non
     assert llm.engine.runner.graphs is not None
     assert llm.engine.runner.graphs.batch_sizes == [1, 2, 4, 8, 16]
     assert graphs == eager
+
+
+def test_torch_compile_with_cuda_graphs_matches_eager(
+    checkpoint_factory: Callable[..., Path],
+) -> None:
+    """Inductor-compiled layers around the attention op, replayed from CUDA graphs."""
+    path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
+    eager, _ = _run(path, "triton", "float32", enforce_eager=True, **STRESS)
+    compiled, _ = _run(path, "triton", "float32", compile=True, cuda_graph_max_batch=16, **STRESS)
+    assert compiled == eager
