@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # directory off sys.path for `python -m`/`-c`, or it would shadow the stdlib module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: venv test serve lint e2e clean
+.PHONY: venv test serve lint e2e clean prometheus
 
 venv: $(STAMP)
 
@@ -22,9 +22,16 @@ $(STAMP): pyproject.toml setup.py requirements-dev.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-test: venv
+test: venv prometheus
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
+
+# The autoscaling tests run a real Prometheus server: Debian's package, installed when missing.
+prometheus:
+	@command -v prometheus >/dev/null || { \
+		echo "installing the prometheus server (apt-get)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; \
+	}
 
 serve: venv
 	$(BIN)/kvscale serve --model demo

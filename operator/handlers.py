@@ -7,10 +7,12 @@ Run with ``kopf run -m kvscale.operator.handlers --all-namespaces --standalone``
   reconcile the owner again, which refreshes its status and recreates what was deleted.
 * Deletion needs no handler: every child carries an ownerReference, so Kubernetes'
   garbage collector removes them, and no finalizer can block the deletion.
-
-The autoscaler (next issue) adds a ``@kopf.daemon`` per LLMDeployment that writes
-``status.desiredReplicas``/``lastScaleTime``/``lastScaleReason`` and the ``ScalingActive``
-condition; :func:`kvscale.operator.spec.desired_replicas` already follows that decision.
+* ``spec.autoscaling.enabled``: one asyncio task per LLMDeployment runs the autoscaler loop
+  (:func:`kvscale.operator.autoscaler.run`), started and stopped from the LLMDeployment's
+  watch events, so it also starts for every autoscaled object when the operator starts.
+  Only the holder of the object's Lease acts. (Not a ``@kopf.daemon``: Kopf puts a finalizer
+  on every object with a daemon, and a finalizer would block deleting an LLMDeployment while
+  the operator is not running.)
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
+from kvscale.operator import autoscaler, telemetry
 from kvscale.operator import constants as c
 from kvscale.operator.config import OperatorConfig
-from kvscale.operator.kube import KubeClient
+from kvscale.operator.kube import USER_AGENT, KubeClient
 from kvscale.operator.reconcile import LLMDEPLOYMENTS, Conflict, Outcome, reconcile
 
 LLMD = (c.GROUP, c.VERSION, c.PLURAL)
@@ -50,16 +54,32 @@ async def startup(
     )
     if info is None:
         raise kopf.PermanentError("no in-cluster service account and no kubeconfig to log in with")
-    memo.api = KubeClient.from_connection_info(info)
+    agent = f"{USER_AGENT} ({memo.config.identity})"
+    memo.api = KubeClient.from_connection_info(info, user_agent=agent)
+    memo.http = aiohttp.ClientSession(headers={"User-Agent": agent})  # Prometheus and pods
     memo.locks = {}
-    logger.info("kvscale operator: server image %s", memo.config.server_image)
+    memo.autoscalers = {}  # (namespace, name) -> (task, stop event)
+    memo.metrics_server = None
+    if memo.config.metrics_port:
+        memo.metrics_server, _ = telemetry.serve(memo.config.metrics_port)
+        logger.info("operator metrics on :%d/metrics", memo.config.metrics_port)
+    logger.info(
+        "kvscale operator %s: server image %s", memo.config.identity, memo.config.server_image
+    )
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await _stop_autoscalers(memo)  # each releases its Lease for a quick hand-over
     api = getattr(memo, "api", None)
     if api is not None:
         await api.close()
+    http = getattr(memo, "http", None)
+    if http is not None:
+        await http.close()
+    server = getattr(memo, "metrics_server", None)
+    if server is not None:
+        server.shutdown()
 
 
 def _lock(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Lock:
@@ -127,9 +147,64 @@ async def owned_pod_changed(
 
 @kopf.on.event(*LLMD)
 async def llmdeployment_event(
-    type: str | None, namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    type: str | None,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    namespace: str,
+    name: str,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    **_: Any,
 ) -> None:
-    """Forget per-object state once an LLMDeployment is gone (its children are GC'd)."""
+    """Run the autoscaler loop while ``spec.autoscaling.enabled``; forget per-object state
+    once an LLMDeployment is gone (its children and its Lease are garbage-collected)."""
+    gone = type == "DELETED" or bool(body.get("metadata", {}).get("deletionTimestamp"))
+    _supervise(memo, namespace, name, not gone and _autoscaling_enabled(spec), logger)
     if type == "DELETED":
         memo.locks.pop((namespace, name), None)
         logger.info("deleted; Kubernetes garbage-collects its Deployment, Service and PDB")
+
+
+def _autoscaling_enabled(spec: Mapping[str, Any]) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+def _post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type_, reason=reason, message=message)
+
+
+def _supervise(
+    memo: kopf.Memo, namespace: str, name: str, wanted: bool, logger: logging.Logger
+) -> None:
+    """Start the object's autoscaler loop when wanted and not running; stop it otherwise."""
+    key = (namespace, name)
+    running = memo.autoscalers.get(key)
+    if wanted and (running is None or running[0].done()):
+        stop = asyncio.Event()
+        loop = autoscaler.run(
+            memo.api,
+            memo.http,
+            memo.config,
+            namespace,
+            name,
+            stop,
+            _lock(memo, namespace, name),
+            _post_event,
+            logger,
+        )
+        task = asyncio.create_task(loop, name=f"autoscaler {namespace}/{name}")
+        memo.autoscalers[key] = (task, stop)
+    elif not wanted and running is not None:
+        running[1].set()  # the loop releases its Lease and ends
+        del memo.autoscalers[key]
+
+
+async def _stop_autoscalers(memo: kopf.Memo, timeout: float = 5.0) -> None:
+    loops = list(getattr(memo, "autoscalers", {}).values())
+    for _, stop in loops:
+        stop.set()
+    tasks = [task for task, _ in loops]
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()

@@ -69,18 +69,22 @@ class KubeClient:
         headers: dict[str, str] | None = None,
         ssl_context: ssl.SSLContext | bool | None = None,
         timeout: float = 30.0,
+        user_agent: str = USER_AGENT,
     ) -> None:
         self.server = server.rstrip("/")
+        self.user_agent = user_agent
         self._headers = headers or {}
         self._ssl = ssl_context
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_connection_info(cls, info: Any) -> KubeClient:
+    def from_connection_info(cls, info: Any, user_agent: str = USER_AGENT) -> KubeClient:
         """Build from a ``kopf.ConnectionInfo`` (what Kopf's login functions return)."""
         ctx = info.as_ssl_context() if info.server.startswith("https") else None
-        return cls(info.server, headers=info.as_http_headers(), ssl_context=ctx)
+        return cls(
+            info.server, headers=info.as_http_headers(), ssl_context=ctx, user_agent=user_agent
+        )
 
     async def close(self) -> None:
         if self._session is not None:
@@ -102,7 +106,7 @@ class KubeClient:
         headers = {
             "Content-Type": content_type,
             "Accept": "application/json",
-            "User-Agent": USER_AGENT,
+            "User-Agent": self.user_agent,
         }
         async with self._session.request(
             method, self.server + path, data=data, params=params, headers=headers, ssl=self._ssl

@@ -225,14 +225,24 @@ class SpeculativeSpec:
 
 @dataclass(frozen=True)
 class AutoscalingSpec:
+    """``spec.autoscaling``: targets and behaviour of the KV-cache / queue-depth autoscaler.
+
+    ``None`` for ``interval_seconds`` / ``prometheus_url`` means the operator-wide default;
+    ``None`` for ``max_metric_age_seconds`` means three intervals.
+    """
+
     enabled: bool = False
     min_replicas: int = 1
     max_replicas: int = 4
     target_kv_cache_utilization_percent: int = 80
     target_queue_depth_per_replica: int = 8
-    scale_up_stabilization_window_seconds: int = 60
+    scale_up_stabilization_window_seconds: int = 0
     scale_down_stabilization_window_seconds: int = 300
     prometheus_url: str | None = None
+    interval_seconds: int | None = None
+    tolerance_percent: int = 10
+    scale_up_limit_percent: int = 100
+    max_metric_age_seconds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -388,12 +398,16 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         ),
         target_queue_depth_per_replica=_int(raw, "targetQueueDepthPerReplica", path, 8, 1, 10000),
         scale_up_stabilization_window_seconds=_int(
-            raw, "scaleUpStabilizationWindowSeconds", path, 60, 0, 3600
+            raw, "scaleUpStabilizationWindowSeconds", path, 0, 0, 3600
         ),
         scale_down_stabilization_window_seconds=_int(
             raw, "scaleDownStabilizationWindowSeconds", path, 300, 0, 3600
         ),
         prometheus_url=url,
+        interval_seconds=_int(raw, "intervalSeconds", path, None, 1, 3600),
+        tolerance_percent=_int(raw, "tolerancePercent", path, 10, 0, 100),
+        scale_up_limit_percent=_int(raw, "scaleUpLimitPercent", path, 100, 1, 1000),
+        max_metric_age_seconds=_int(raw, "maxMetricAgeSeconds", path, None, 1, 3600),
     )
     if spec.min_replicas > spec.max_replicas:
         raise _err(

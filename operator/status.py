@@ -5,9 +5,11 @@ a CamelCase ``reason``, a ``message`` a person can act on, ``lastTransitionTime`
 the status stays the same) and ``observedGeneration``.
 
 The operator owns the keys in :data:`OWNED_KEYS` and the Ready/Progressing/Degraded
-conditions. The autoscaler owns ``lastScaleTime``, ``lastScaleReason``, the observed metrics
-(``kvCacheUsagePercent``, ``queueDepthPerReplica``) and, once it runs, ``ScalingActive``; the
-operator only initialises that condition and never overwrites the autoscaler's fields.
+conditions. The autoscaler (:mod:`kvscale.operator.autoscaler`) owns ``lastScaleTime``,
+``lastScaleReason``, the observed metrics (``kvCacheUsagePercent``, ``queueDepthPerReplica``)
+and, once it has evaluated, ``ScalingActive``; it also writes ``desiredReplicas``, which the
+reconcile pass then follows (:func:`kvscale.operator.spec.desired_replicas`). The operator
+only initialises ``ScalingActive`` and never overwrites the autoscaler's fields.
 """
 
 from __future__ import annotations
@@ -82,6 +84,17 @@ def merge_conditions(
             out["lastTransitionTime"] = now
         merged.append(out)
     return merged
+
+
+def set_condition(
+    old: Sequence[Mapping[str, Any]] | None, cond: Mapping[str, Any], now: str
+) -> list[dict[str, Any]]:
+    """``old`` with the condition of ``cond``'s type replaced (or appended), keeping the
+    others and their order untouched."""
+    before = [dict(x) for x in old or ()]
+    (merged,) = merge_conditions([x for x in before if x.get("type") == cond["type"]], [cond], now)
+    out = [merged if x.get("type") == cond["type"] else x for x in before]
+    return out if any(x.get("type") == cond["type"] for x in before) else [*out, merged]
 
 
 def pod_problems(pods: Iterable[Mapping[str, Any]], spec: LLMDeploymentSpec) -> list[Problem]:

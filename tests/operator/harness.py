@@ -181,3 +181,46 @@ class Cluster:
                 return
             time.sleep(0.1)
         raise AssertionError("the operator never went quiet")
+
+
+Permission = tuple[str, str, str]  # (API group, resource[/subresource], verb)
+
+
+def granted_permissions() -> set[Permission]:
+    """Every (group, resource, verb) the chart's default RBAC grants the operator."""
+    import helm_python as helm
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    with helm.Chart.load(root / "charts" / "kvscale") as chart:
+        rendered = chart.render(name="kvscale", namespace="kvscale-system")
+    docs = yaml.safe_load_all(rendered["kvscale/templates/rbac.yaml"])
+    return {
+        (group, resource, verb)
+        for doc in docs
+        if doc and doc["kind"] in ("ClusterRole", "Role")
+        for rule in doc["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def _verb(request: Any) -> str:
+    method = request.method.value
+    if method == "GET":
+        if request.params.get("watch") == "true":
+            return "watch"
+        return "get" if request.name else "list"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method]
+
+
+def used_permissions(requests: list[Any]) -> set[Permission]:
+    """The permissions these (kmock-logged) requests needed; discovery needs none."""
+    used = set()
+    for r in requests:
+        if r.resource is None:
+            continue  # discovery is allowed to every authenticated user
+        resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
+        used.add((r.resource.group, resource, _verb(r)))
+    return used

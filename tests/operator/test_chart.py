@@ -74,8 +74,16 @@ def test_default_render(chart: helm.Chart) -> None:
     assert ctr["image"] == "ghcr.io/kvscale/kvscale-operator:0.1.0"
     assert ctr["args"][:3] == ["run", "-m", "kvscale.operator.handlers"]
     assert "--all-namespaces" in ctr["args"] and "--standalone" in ctr["args"]
-    env = {e["name"]: e["value"] for e in ctr["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in ctr["env"]}
     assert env["KVSCALE_SERVER_IMAGE"] == "ghcr.io/kvscale/kvscale-server:0.1.0"
+    # The autoscaler: its default interval, the operator's own metrics, the Lease identity.
+    assert env["KVSCALE_AUTOSCALE_INTERVAL_SECONDS"] == "15"
+    assert env["KVSCALE_METRICS_PORT"] == "8081"
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert "KVSCALE_PROMETHEUS_URL" not in env  # no Prometheus: the pods are scraped directly
+    assert {"name": "metrics", "containerPort": 8081} in ctr["ports"]
+    notes = deploy["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/port"] == "8081"
     assert ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert ctr["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -99,7 +107,31 @@ def test_rbac_is_least_privilege(chart: helm.Chart) -> None:
     } & flat
     assert not any(res == "services" and v == "delete" for _, res, v in flat)
     assert ("apiextensions.k8s.io", "customresourcedefinitions", "create") not in flat
+    # The autoscaler: its Leases (never listed or deleted) and the scale subresource.
+    assert {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")} <= flat
+    assert not {("coordination.k8s.io", "leases", v) for v in ("list", "delete")} & flat
+    assert ("serving.kvscale.dev", "llmdeployments/scale", "patch") in flat
     # (test_operator_integration checks these rules against every request the operator made)
+
+
+def test_autoscaler_values(chart: helm.Chart) -> None:
+    docs = _render(
+        chart,
+        {
+            "prometheusUrl": "http://prometheus.monitoring:9090",
+            "autoscalerIntervalSeconds": 30,
+            "metricsPort": 0,
+            "podAnnotations": {"team": "ml"},
+        },
+    )
+    template = docs["deployment.yaml"][0]["spec"]["template"]
+    (ctr,) = template["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    assert env["KVSCALE_PROMETHEUS_URL"] == "http://prometheus.monitoring:9090"
+    assert env["KVSCALE_AUTOSCALE_INTERVAL_SECONDS"] == "30"
+    assert env["KVSCALE_METRICS_PORT"] == "0"
+    assert [p["name"] for p in ctr["ports"]] == ["health"]
+    assert template["metadata"]["annotations"] == {"team": "ml"}
 
 
 def test_namespaced_install_uses_roles(chart: helm.Chart) -> None:
@@ -146,6 +178,8 @@ def test_service_monitor_and_dashboard(chart: helm.Chart) -> None:
         {"image": {"repository": ""}},
         {"logLevel": "chatty"},
         {"serviceMonitor": {"interval": "often"}},
+        {"autoscalerIntervalSeconds": 0},
+        {"metricsPort": "8081"},
         {"replicaCount": 2},  # not a value of this chart: a typo must not pass silently
     ],
 )

@@ -18,7 +18,14 @@ import yaml
 from kvscale.operator import constants as c
 from tests.k8s_emulator.runner import EmulatorThread
 from tests.operator.conftest import ROOT
-from tests.operator.harness import Cluster, Kubectl, Operator, wait_for
+from tests.operator.harness import (
+    Cluster,
+    Kubectl,
+    Operator,
+    granted_permissions,
+    used_permissions,
+    wait_for,
+)
 
 NS = "ml"
 APPS = "apps/v1"
@@ -380,49 +387,19 @@ def test_delete_collects_the_children(cluster: Cluster) -> None:
     assert proc.returncode != 0 and "NotFound" in proc.stderr
 
 
-def _rbac_rules() -> list[dict[str, Any]]:
-    import helm_python as helm
-
-    with helm.Chart.load(ROOT / "charts" / "kvscale") as chart:
-        rendered = chart.render(name="kvscale", namespace="kvscale-system")
-    docs = yaml.safe_load_all(rendered["kvscale/templates/rbac.yaml"])
-    return [
-        rule
-        for doc in docs
-        if doc and doc["kind"] in ("ClusterRole", "Role")
-        for rule in doc["rules"]
-    ]
-
-
-def _verb(request: Any) -> str:
-    method = request.method.value
-    if method == "GET":
-        if request.params.get("watch") == "true":
-            return "watch"
-        return "get" if request.name else "list"
-    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method]
-
-
 def test_the_chart_rbac_allows_exactly_what_the_operator_did(cluster: Cluster) -> None:
-    rules = _rbac_rules()
-    granted = {
-        (group, resource, verb)
-        for rule in rules
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-    used = set()
-    for r in cluster.operator_requests():
-        if r.resource is None:
-            continue  # discovery is allowed to every authenticated user
-        resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
-        used.add((r.resource.group, resource, _verb(r)))
+    granted = granted_permissions()
+    used = used_permissions(cluster.operator_requests())
     assert used - granted == set(), "the operator needs permissions the chart does not grant"
     # Granted but not exercised here: ownerReferences' blockOwnerDeletion needs update on
     # llmdeployments/finalizers; a PDB is only updated when a new operator renders it
     # differently; Kopf may get a CRD or a status by name.
+    # The autoscaler's permissions are checked by tests/autoscaling/test_autoscaler_operator.py.
     expected_unused = {
+        ("serving.kvscale.dev", "llmdeployments/scale", "patch"),
+        ("coordination.k8s.io", "leases", "get"),
+        ("coordination.k8s.io", "leases", "create"),
+        ("coordination.k8s.io", "leases", "update"),
         ("serving.kvscale.dev", "llmdeployments/finalizers", "update"),
         ("policy", "poddisruptionbudgets", "update"),
         ("serving.kvscale.dev", "llmdeployments/status", "get"),

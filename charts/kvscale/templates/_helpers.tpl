@@ -37,6 +37,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [serving.kvscale.dev]
   resources: [llmdeployments/status]
   verbs: [get, patch]
+# The autoscaler sets replicas through the scale subresource, as an HPA would.
+- apiGroups: [serving.kvscale.dev]
+  resources: [llmdeployments/scale]
+  verbs: [patch]
 # ownerReferences with blockOwnerDeletion need update on the owner's finalizers.
 - apiGroups: [serving.kvscale.dev]
   resources: [llmdeployments/finalizers]
@@ -62,4 +66,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# One Lease per autoscaled LLMDeployment: only its holder scales it (leader election).
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, update]
 {{- end -}}

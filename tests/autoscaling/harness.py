@@ -1,0 +1,429 @@
+"""Real parts for the autoscaling tests and ``bench/autoscale_timeline.py``.
+
+* :func:`ensure_prometheus` / :class:`PrometheusProcess`: the Debian ``prometheus`` server
+  on loopback (installed with apt-get when missing), scraping every second.
+* :class:`ServerProcesses`: ``kvscale serve`` processes standing in for pods, started with
+  the very flags the operator renders for the LLMDeployment (host and port changed).
+* :class:`FakeKubelet`: the Deployment controller, ReplicaSet and kubelet the emulator does
+  not have. When the Deployment asks for N replicas, "pods" 0..N-1 exist and are Ready, each
+  pointing at one already running server (pre-warmed: ready at once); the rest are deleted.
+* :class:`LoadDriver`: the benchmark client's requests (:mod:`kvscale.bench_serve`) from a
+  fixed number of concurrent users, spread round-robin over the ready pods like a Service.
+
+How pods map to servers, honestly and simply: a pod ``<llmd>-<i>`` has ``podIP`` 127.0.0.1
+and the annotation ``prometheus.io/port: <port of server i>`` (in a cluster every pod has
+its own IP and port 8000). The operator scrapes that address itself when no Prometheus is
+configured. Prometheus scrapes every server with a static target labelled
+``namespace``/``pod``/``llmdeployment``, the labels that Kubernetes service discovery and the
+chart's ServiceMonitor attach in a cluster, and the operator queries it by those labels for
+the pods that are ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvscale import bench_serve
+from kvscale.operator import constants as c
+from tests.k8s_emulator.runner import EmulatorThread
+
+APPS = "apps/v1"
+START_TIMEOUT_S = 120.0  # a few servers importing torch at once on 2 slow cores
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(fn: Callable[[], Any], timeout: float, what: str, period: float = 0.1) -> Any:
+    """Poll ``fn`` until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(period)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+# --- Prometheus --------------------------------------------------------------------------------
+
+
+def ensure_prometheus() -> str:
+    """The ``prometheus`` binary; installs the Debian package (as root) when it is missing."""
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise RuntimeError(
+            "the prometheus server is missing: apt-get install -y prometheus (or make prometheus)"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "prometheus"]):
+        subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    found = shutil.which("prometheus")
+    if not found:
+        raise RuntimeError("apt-get installed prometheus but it is not on PATH")
+    return found
+
+
+@dataclass(frozen=True)
+class ScrapeTarget:
+    """One static target and the pod labels it stands for."""
+
+    address: str  # 127.0.0.1:PORT
+    namespace: str
+    pod: str
+    llmdeployment: str
+
+
+class PrometheusProcess:
+    """A real Prometheus on loopback with static targets, scraping every ``interval_s``."""
+
+    def __init__(self, workdir: Path, targets: Sequence[ScrapeTarget], interval_s: int = 1):
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        scrape = f"{interval_s}s"
+        config = {
+            "global": {"scrape_interval": scrape, "scrape_timeout": scrape},
+            "scrape_configs": [
+                {
+                    "job_name": "kvscale-servers",
+                    "static_configs": [
+                        {
+                            "targets": [t.address],
+                            "labels": {
+                                "namespace": t.namespace,
+                                "pod": t.pod,
+                                "llmdeployment": t.llmdeployment,
+                            },
+                        }
+                        for t in targets
+                    ],
+                }
+            ],
+        }
+        self.config = workdir / "prometheus.yml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.log_path = workdir / "prometheus.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._targets = len(targets)
+
+    def start(self, timeout: float = 60.0) -> None:
+        binary = ensure_prometheus()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={self.config}",
+                    f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--storage.tsdb.retention.time=1d",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+            )
+
+        def targets_up() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited:\n{self.log_path.read_text()[-2000:]}")
+            try:
+                result = self.query("up == 1")
+            except (OSError, httpx.HTTPError):
+                return False
+            return len(result) == self._targets
+
+        wait_until(targets_up, timeout, "Prometheus to scrape every target", period=0.25)
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        rsp = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=5)
+        rsp.raise_for_status()
+        return rsp.json()["data"]["result"]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+
+# --- kvscale serve processes -------------------------------------------------------------------
+
+
+def loopback_args(args: Sequence[str], port: int) -> list[str]:
+    """The rendered ``kvscale serve`` flags with the host and port of a loopback process."""
+    out = list(args)
+    out[out.index("--host") + 1] = "127.0.0.1"
+    out[out.index("--port") + 1] = str(port)
+    return out
+
+
+class ServerProcesses:
+    """``n`` ``kvscale serve`` processes with the same flags on free loopback ports."""
+
+    def __init__(self, workdir: Path, args: Sequence[str], n: int) -> None:
+        self.ports = [free_port() for _ in range(n)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.logs = [workdir / f"server-{i}.log" for i in range(n)]
+        env = {
+            **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+            "PYTHONSAFEPATH": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",  # n processes share few cores
+            "MKL_NUM_THREADS": "1",
+        }
+        self.procs = []
+        for port, log in zip(self.ports, self.logs, strict=True):
+            cmd = [sys.executable, "-m", "kvscale.cli", *loopback_args(args, port)]
+            with open(log, "wb") as out:
+                self.procs.append(
+                    subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+                )
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        def ready() -> bool:
+            for proc, url, log in zip(self.procs, self.urls, self.logs, strict=True):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()}")
+                try:
+                    if httpx.get(f"{url}/ready", timeout=2).status_code != 200:
+                        return False
+                except httpx.HTTPError:
+                    return False
+            return True
+
+        wait_until(ready, timeout, "every kvscale serve process to be ready", period=0.5)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
+
+def read_metrics(url: str, timeout: float = 2.0) -> dict[str, float]:
+    """The unlabelled view of a server's gauges: ``kvscale:kv_cache_usage_perc`` -> value."""
+    text = httpx.get(f"{url}/metrics", timeout=timeout).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("kvscale:num_requests") or "kv_cache" in sample.name:
+                out[sample.name] = sample.value
+    return out
+
+
+# --- the Deployment controller + kubelet -------------------------------------------------------
+
+
+class FakeKubelet:
+    """Keeps pods ``<name>-0..N-1`` Ready for a Deployment of N replicas (N capped at the
+    number of servers), deletes the others, and reports the Deployment's status."""
+
+    def __init__(
+        self, emu: EmulatorThread, namespace: str, name: str, ports: Sequence[int], period=0.2
+    ) -> None:
+        self.emu, self.ns, self.name, self.ports = emu, namespace, name, list(ports)
+        self.period = period
+        self.ready: list[int] = []  # indexes of ready pods
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fake-kubelet", daemon=True)
+        self.errors: list[str] = []
+
+    def pod_name(self, i: int) -> str:
+        return f"{self.name}-{i}"
+
+    def ready_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.ports[i]}" for i in list(self.ready)]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except Exception as e:  # keep playing the controller; tests look at .errors
+                self.errors.append(repr(e))
+            self._stop.wait(self.period)
+
+    def _pod(self, template: dict[str, Any], i: int) -> dict[str, Any]:
+        meta = template.get("metadata") or {}
+        notes = {**(meta.get("annotations") or {}), "prometheus.io/port": str(self.ports[i])}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": self.pod_name(i),
+                "namespace": self.ns,
+                "labels": dict(meta.get("labels") or {}),
+                "annotations": notes,
+            },
+            "spec": template.get("spec") or {},
+        }
+
+    def sync(self) -> None:
+        """One pass: pods follow the Deployment's replicas, status follows the pods."""
+        dep = self.emu.get(APPS, "deployments", self.ns, self.name)
+        if dep is None:
+            return
+        n = min(int(dep["spec"].get("replicas", 1)), len(self.ports))
+        for i in range(len(self.ports)):
+            live = self.emu.get("v1", "pods", self.ns, self.pod_name(i))
+            if i < n and live is None:
+                self.emu.create("v1", "pods", self.ns, self._pod(dep["spec"]["template"], i))
+                self.emu.set_status(
+                    "v1",
+                    "pods",
+                    self.ns,
+                    self.pod_name(i),
+                    {
+                        "phase": "Running",
+                        "podIP": "127.0.0.1",
+                        "conditions": [{"type": "Ready", "status": "True"}],
+                    },
+                )
+            elif i >= n and live is not None:
+                self.emu.delete("v1", "pods", self.ns, self.pod_name(i))
+        self.ready = list(range(n))
+        status = {
+            "observedGeneration": dep["metadata"].get("generation"),
+            "replicas": n,
+            "updatedReplicas": n,
+            "readyReplicas": n,
+            "availableReplicas": n,
+            "conditions": [
+                {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}
+            ],
+        }
+        have = dep.get("status") or {}
+        if any(have.get(k) != v for k, v in status.items()):
+            self.emu.set_status(APPS, "deployments", self.ns, self.name, status)
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    start: float  # time.time()
+    end: float
+    ok: bool
+    endpoint: str
+
+
+@dataclass
+class LoadDriver:
+    """``concurrency`` users, each sending the benchmark client's streaming completion
+    requests back to back (``kvscale bench serve --request-rate inf --max-concurrency N``)
+    until the load stops, to the ready pods in turn."""
+
+    endpoints: Callable[[], list[str]]
+    model: str
+    concurrency: int = 12
+    input_len: int = 80
+    output_len: int = 48
+    seed: int = 0
+    records: list[RequestRecord] = field(default_factory=list)
+    in_flight: int = 0
+
+    def run(self, duration_s: float, drain_timeout_s: float = 60.0) -> None:
+        """Blocks for the load and until the requests in flight have finished."""
+        asyncio.run(self._main(duration_s, drain_timeout_s))
+
+    async def _main(self, duration_s: float, drain_timeout_s: float) -> None:
+        lengths = bench_serve.sample_lengths(
+            "random", 64, self.input_len, self.output_len, self.seed
+        )
+        requests = bench_serve.make_requests(lengths, self.seed)
+        turn = itertools.count()
+        deadline = time.monotonic() + duration_s
+        limits = httpx.Limits(max_connections=self.concurrency * 2)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0)) as client:
+
+            async def user(u: int) -> None:
+                for k in itertools.count():
+                    if time.monotonic() >= deadline:
+                        return
+                    ready = self.endpoints()
+                    if not ready:
+                        await asyncio.sleep(0.1)
+                        continue
+                    base = ready[next(turn) % len(ready)]
+                    req = requests[(u + k * self.concurrency) % len(requests)]
+                    start = time.time()
+                    self.in_flight += 1
+                    try:
+                        res = await bench_serve.send_request(client, base, self.model, req, None)
+                    finally:
+                        self.in_flight -= 1
+                    self.records.append(RequestRecord(start, time.time(), res.success, base))
+
+            users = [asyncio.create_task(user(u)) for u in range(self.concurrency)]
+            await asyncio.wait_for(asyncio.gather(*users), duration_s + drain_timeout_s)
+
+
+# --- a running autoscaling setup -----------------------------------------------------------------
+
+
+def llmd_manifest(name: str, namespace: str, autoscaling: dict[str, Any]) -> dict[str, Any]:
+    """The LLMDeployment of these tests: the CPU demo model with a small KV pool."""
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"source": "builtin://demo", "maxModelLen": 512},
+            "engine": {
+                "device": "cpu",
+                "maxNumSeqs": 4,
+                "extraArgs": ["--num-kv-blocks=32", "--disable-access-log"],
+            },
+            "autoscaling": {"enabled": True, **autoscaling},
+        },
+    }
+
+
+@contextlib.contextmanager
+def background(fn: Callable[[], None], name: str) -> Iterator[threading.Thread]:
+    """Run ``fn`` in a daemon thread for the ``with`` block, then join it."""
+    thread = threading.Thread(target=fn, name=name, daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        thread.join(timeout=120)
