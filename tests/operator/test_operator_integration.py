@@ -94,7 +94,8 @@ def test_examples_apply_and_reconcile(cluster: Cluster) -> None:
     server = dep["spec"]["template"]["spec"]["containers"][0]
     assert server["resources"]["limits"][c.GPU_RESOURCE] == "1"
     assert server["image"] == "kvscale-server:test"
-    assert cluster.get("v1", "services", NS, "qwen") is not None
+    # the reconcile pass writes the Deployment before the Service: wait for it too
+    wait_for(lambda: cluster.get("v1", "services", NS, "qwen"), what="the qwen Service")
     assert cluster.get("policy/v1", "poddisruptionbudgets", NS, "qwen") is None  # one replica
     fp8 = wait_for(lambda: _deployment(cluster, "llama-8b-fp8"), what="the FP8 Deployment")
     assert {"--enable-prefix-caching", "--quantization", "--kv-cache-dtype"} <= set(_args(fp8))
