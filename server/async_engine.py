@@ -1,39 +1,51 @@
-"""Drives one LLMEngine from a background thread for an asyncio server.
+"""The API server's side of the engine: the engine process, and outputs as asyncio streams.
 
-The engine is not thread-safe, so exactly one thread (the engine loop) touches it: it
-drains an inbox of add/abort commands, calls ``step()`` while there is work and sleeps
-on a condition variable when idle. Outputs go back to the event loop in one
-``loop.call_soon_threadsafe`` call per step and land in the asyncio queue of the
-``RequestGroup`` that submitted the request. The event loop never waits on model
-compute.
+``AsyncEngine`` loads the tokenizer and model config (for validation), starts the engine
+process (``engine_process``) and talks to it over a pipe: a sender thread writes
+commands, a receiver thread reads each step's token updates and hands them to the event
+loop, where the ``OutputProcessor`` detokenizes them and each ``RequestGroup`` gets its
+requests' latest outputs. Neither the HTTP layer nor detokenization runs in the engine's
+interpreter, so they never stall the engine loop, and the event loop never waits on
+model compute.
 
-A step that raises fails the requests in flight (they get an ``EngineStepError``) and
-the loop keeps serving. Closing a ``RequestGroup`` before its requests finish (a client
-that disconnected) aborts them in the engine at once, which frees their KV blocks.
+A step that raises in the engine fails the requests in flight (they get an
+``EngineStepError``) and the engine keeps serving. Closing a ``RequestGroup`` before its
+requests finish (a client that disconnected) aborts them in the engine, which frees
+their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
+import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Protocol
 
-from kvscale.server.engine.llm_engine import EngineStats, LLMEngine
+from kvscale.server.config import EngineConfig
+from kvscale.server.engine.core_outputs import EngineStats, SeqUpdate
+from kvscale.server.engine.llm_engine import eos_token_ids
+from kvscale.server.engine.output_processor import OutputProcessor
+from kvscale.server.engine.request import check_params, check_prompt
+from kvscale.server.engine_process import run_engine_process
+from kvscale.server.model_config import ModelConfig
 from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 1.0  # the idle loop wakes this often to refresh its heartbeat (seconds)
+STOP_TIMEOUT_S = 10.0  # how long shutdown waits for the engine process before killing it
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop is not running (stopped, or it crashed)."""
+    """The engine is not running (not started, stopped, or its process died)."""
 
 
 class EngineStepError(RuntimeError):
@@ -53,7 +65,7 @@ class QueueFullError(RuntimeError):
 
 
 class EngineObserver(Protocol):
-    """Called from the engine thread; used for the latency histograms."""
+    """Called on the event loop; used for the latency histograms."""
 
     def on_add(self, request_id: str, arrival_time: float) -> None: ...
 
@@ -71,24 +83,9 @@ class EngineRequest:
     params: SamplingParams
 
 
-@dataclass
-class _Add:
-    request: EngineRequest
-    arrival_time: float
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-_ACCEPTED = object()  # payload sent back when an add succeeded
-
-
 class RequestGroup:
     """The outputs of one or more engine requests submitted together (n prompts).
 
-    ``await group.accepted()`` raises the ValueError of any request the engine refused.
     ``async for out in group`` yields RequestOutputs (cumulative, so outputs the consumer
     had no time to read are skipped: only the latest state of each request is kept)
     until every request finished. Always ``close()`` it (or use ``async with``): that
@@ -99,39 +96,21 @@ class RequestGroup:
         self._engine = engine
         self.request_ids = list(request_ids)
         self._unfinished = set(self.request_ids)
-        self._to_accept = set(self.request_ids)
-        self._accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._latest: dict[str, RequestOutput] = {}
         self._error: BaseException | None = None
         self._wakeup = asyncio.Event()
         self._closed = False
 
-    # ---- called on the event loop by AsyncEngine._dispatch ------------------------------
-    def _put(self, request_id: str, payload: object) -> None:
-        refused = isinstance(payload, ValueError) and request_id in self._to_accept
-        if payload is _ACCEPTED or refused:
-            self._to_accept.discard(request_id)
-            if isinstance(payload, ValueError):
-                self._unfinished.discard(request_id)
-                if not self._accepted.done():
-                    self._accepted.set_exception(payload)
-            elif not self._to_accept and not self._accepted.done():
-                self._accepted.set_result(None)
-            return
+    # ---- called on the event loop by AsyncEngine ----------------------------------------
+    def _put(self, request_id: str, payload: RequestOutput | BaseException) -> None:
         if isinstance(payload, BaseException):
             self._error = payload
             self._unfinished.discard(request_id)
-            if not self._accepted.done():
-                self._accepted.set_exception(payload)
-        elif isinstance(payload, RequestOutput):
+        else:
             self._latest[request_id] = payload
         self._wakeup.set()
 
     # ---- consumer API --------------------------------------------------------------------
-    async def accepted(self) -> None:
-        """Returns once the engine queued every request; raises ValueError for bad input."""
-        await self._accepted
-
     def __aiter__(self) -> RequestGroup:
         return self
 
@@ -158,10 +137,6 @@ class RequestGroup:
         for rid in self._unfinished:
             self._engine.abort(rid)
         self._engine._groups_remove(self.request_ids)
-        if not self._accepted.done():
-            self._accepted.cancel()
-        elif not self._accepted.cancelled():
-            self._accepted.exception()  # retrieved: no "never retrieved" warning
         self._wakeup.set()
 
     async def __aenter__(self) -> RequestGroup:
@@ -172,101 +147,165 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    """Owns the engine thread. Create and use it from one event loop."""
+    """Owns the engine process. Create it anywhere (it loads the tokenizer); ``start``
+    and use it from one event loop."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        config: EngineConfig,
         max_queue_len: int | None = None,
         observer: EngineObserver | None = None,
+        log_level: str = "INFO",
+        process_target: Callable[..., None] = run_engine_process,
     ) -> None:
-        self.engine = engine
+        self.config = config
+        self.process_target = process_target  # the engine process's entry point
         self.max_queue_len = max_queue_len
         self.observer = observer
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self._cond = threading.Condition()
-        self._inbox: deque[_Add | _Abort] = deque()
-        self._pending_seqs = 0  # sequences submitted but not yet added to the engine
-        self._stopping = False
-        self._stats: EngineStats = engine.stats()
-        self._groups: dict[str, RequestGroup] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self.log_level = log_level
+        self.model_config = ModelConfig.from_path(config.model)
+        self.max_model_len = config.resolve_max_model_len(self.model_config)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = eos_token_ids(Path(config.model), self.model_config, self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, stream=True)
+        self.info: dict[str, Any] = {}
         self.heartbeat = time.monotonic()
         self.num_step_errors = 0
+        self._stats: EngineStats | None = None
+        self._pending_seqs = 0  # sequences sent to the engine, not yet reported queued
+        self._groups: dict[str, RequestGroup] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._proc: Any = None
+        self._conn: Connection | None = None
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._running = False
 
-    # ---- read-only helpers (safe on the event loop: they do not touch engine state) ------
+    # ---- read-only helpers ----------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
+        return self.model_config.vocab_size
 
     def tokenize(self, text: str) -> list[int]:
         """A prompt's token ids, as the engine would tokenize it (BOS included)."""
-        return self.engine.tokenize(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    # ---- lifecycle --------------------------------------------------------------------
-    def start(self) -> None:
-        """Starts the engine thread; call from the event loop that will consume outputs."""
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvscale-engine", daemon=True)
-        self._thread.start()
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        """Raises ValueError naming what is wrong with a tokenized prompt."""
+        check_prompt(prompt_ids, self.vocab_size, self.max_model_len)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the engine thread (in-flight requests fail with EngineDeadError)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+    # ---- lifecycle --------------------------------------------------------------------
+    async def start(self) -> dict[str, Any]:
+        """Starts the engine process and waits until its model is loaded; returns its
+        info (device, dtype, KV blocks...). Raises RuntimeError if loading failed."""
+        self._loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=self.process_target,
+            args=(self.config, self.eos_token_ids, self.max_model_len, child, self.log_level),
+            name="kvscale-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        try:
+            msg = await asyncio.to_thread(self._first_message)
+        except BaseException:
+            self.shutdown(timeout=1.0)
+            raise
+        if msg[0] != "ready":
+            self.shutdown(timeout=1.0)
+            raise RuntimeError(msg[1])
+        self.info = msg[1]
+        self._stats = self.info["stats"]
+        self.heartbeat = time.monotonic()
+        self._running = True
+        threading.Thread(target=self._receive, name="kvscale-engine-rx", daemon=True).start()
+        threading.Thread(target=self._send_loop, name="kvscale-engine-tx", daemon=True).start()
+        return self.info
+
+    def _first_message(self) -> tuple[Any, ...]:
+        assert self._conn is not None
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.exitcode if self._proc is not None else None
+            return ("failed", f"the engine process exited (code {code}) while loading")
+
+    def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stops the engine process (in-flight requests fail with EngineDeadError)."""
+        started, self._running = self._running, False
+        proc = self._proc
+        if proc is None:
+            return
+        if started:  # the sender thread says it, after what is already queued
+            self._outbox.put(("shutdown",))
+            self._outbox.put(None)
+        elif self._conn is not None:
+            try:
+                self._conn.send(("shutdown",))
+            except OSError:
+                pass
+        proc.join(timeout)
+        if proc.is_alive():
+            log.warning("the engine process did not stop in %.0fs; killing it", timeout)
+            proc.kill()
+            proc.join(5)
 
     def is_alive(self) -> bool:
-        """True while the engine thread runs."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        """True while the engine process runs and its pipe is open."""
+        return self._running and self._proc is not None and self._proc.is_alive()
 
     def seconds_since_heartbeat(self) -> float:
-        """Seconds since the engine loop last finished an iteration (or idled)."""
+        """Seconds since the engine last reported (each step, or once a second idle)."""
         return time.monotonic() - self.heartbeat
 
     def stats(self) -> EngineStats:
-        """The latest snapshot (taken by the engine thread after each iteration)."""
-        return self._stats
+        """The latest snapshot, with finished counts from the output side."""
+        s = self._stats
+        if s is None:
+            raise EngineDeadError("the engine has not started")
+        return replace(s, finished=dict(self.processor.finished))
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting in the engine plus those submitted but not yet added."""
-        with self._cond:
-            return self._stats.num_waiting + self._pending_seqs
+        """Sequences waiting in the engine plus those sent but not yet queued there."""
+        return (self._stats.num_waiting if self._stats else 0) + self._pending_seqs
 
-    # ---- requests ---------------------------------------------------------------------
+    # ---- requests (on the event loop) ----------------------------------------------------
     def submit(
         self, requests: Sequence[EngineRequest], arrival_time: float | None = None
     ) -> RequestGroup:
-        """Queues requests for the engine thread and returns their group at once.
+        """Validates and queues requests; returns their group at once.
 
-        Raises EngineDeadError if the loop is not running and QueueFullError if
-        ``max_queue_len`` sequences are already waiting; nothing is queued then.
+        Raises ValueError for bad input, EngineDeadError if the engine is not running
+        and QueueFullError if ``max_queue_len`` sequences are already waiting; nothing
+        is queued then.
         """
         if not self.is_alive():
-            raise EngineDeadError("the engine loop is not running")
+            raise EngineDeadError("the engine is not running")
         rids = [r.request_id for r in requests]
         if len(set(rids)) != len(rids) or any(r in self._groups for r in rids):
             raise ValueError("request ids must be unique")
+        for r in requests:
+            check_prompt(r.prompt_token_ids, self.vocab_size, self.max_model_len)
+            check_params(r.params, self.vocab_size)
+        waiting = self.num_waiting
+        if self.max_queue_len is not None and waiting >= self.max_queue_len:
+            raise QueueFullError(waiting, self.max_queue_len)
         group = RequestGroup(self, rids)
         now = time.monotonic() if arrival_time is None else arrival_time
-        n = sum(r.params.n for r in requests)
-        with self._cond:
-            waiting = self._stats.num_waiting + self._pending_seqs
-            if self.max_queue_len is not None and waiting >= self.max_queue_len:
-                raise QueueFullError(waiting, self.max_queue_len)
-            for r in requests:
-                self._groups[r.request_id] = group
-                self._inbox.append(_Add(r, now))
-            self._pending_seqs += n
-            self._cond.notify()
+        for r in requests:
+            self._groups[r.request_id] = group
+            self.processor.add(r.request_id, None, r.prompt_token_ids, r.params, now)
+            self._pending_seqs += r.params.n
+            self._outbox.put(("add", r.request_id, r.prompt_token_ids, r.params, now))
+            if self.observer is not None:
+                self.observer.on_add(r.request_id, now)
         return group
 
     def generate(
@@ -276,124 +315,97 @@ class AsyncEngine:
         return _Generate(self, EngineRequest(request_id, prompt_token_ids, params))
 
     def abort(self, request_id: str) -> None:
-        """Asks the engine thread to drop a request (no-op if it already finished)."""
-        with self._cond:
-            self._inbox.append(_Abort(request_id))
-            self._cond.notify()
+        """Drops a request (no-op if it already finished)."""
+        if self.processor.abort(request_id):
+            self._outbox.put(("abort", request_id))
+            if self.observer is not None:
+                self.observer.on_abort(request_id)
 
     def _groups_remove(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._groups.pop(rid, None)
 
-    def _dispatch(self, events: list[tuple[str, object]]) -> None:
-        """On the event loop: hands each (request id, payload) to its group."""
+    def _deliver(self, events: list[tuple[str, RequestOutput | BaseException]]) -> None:
         for rid, payload in events:
             group = self._groups.get(rid)
             if group is not None:
                 group._put(rid, payload)
 
-    def _send(self, events: list[tuple[str, object]]) -> None:
-        if not events or self._loop is None:
+    # ---- messages from the engine (on the event loop) -------------------------------------
+    def _on_message(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        self.heartbeat = time.monotonic()
+        if kind == "step":
+            _, updates, stats, now, added = msg
+            self._on_report(stats, added)
+            self._on_updates(updates, now)
+        elif kind == "stats":
+            self._on_report(msg[1], msg[3])
+        elif kind == "error":
+            _, rids, message = msg
+            self.num_step_errors += 1
+            self._fail(rids, EngineStepError(message))
+        elif kind == "refused":
+            _, rid, message = msg
+            self._fail([rid], EngineStepError(f"cannot queue request: {message}"))
+
+    def _on_report(self, stats: EngineStats, added: int) -> None:
+        self._stats = stats
+        self._pending_seqs = max(0, self._pending_seqs - added)
+
+    def _on_updates(self, updates: list[SeqUpdate], now: float) -> None:
+        outputs, stopped = self.processor.process(updates, now)
+        for rid, index in stopped:
+            self._outbox.put(("finish", rid, index))
+        if self.observer is not None:
+            try:
+                self.observer.on_step(outputs, time.monotonic())
+            except Exception:
+                log.exception("metrics observer failed")
+        self._deliver([(out.request_id, out) for out in outputs])
+
+    def _fail(self, rids: Sequence[str], error: BaseException) -> None:
+        for rid in rids:
+            if self.processor.abort(rid) and self.observer is not None:
+                self.observer.on_abort(rid)
+        self._deliver([(rid, error) for rid in rids])
+
+    def _on_engine_dead(self) -> None:
+        self._running = False
+        self._fail(list(self.processor.requests), EngineDeadError("the engine stopped"))
+
+    # ---- pipe threads ----------------------------------------------------------------------
+    def _call(self, fn: Any, *args: Any) -> None:
+        loop = self._loop
+        if loop is None:
             return
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, events)
+            loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    # ---- the engine thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
+    def _receive(self) -> None:
+        conn = self._conn
+        assert conn is not None
         try:
             while True:
-                with self._cond:
-                    while not self._inbox and not eng.has_unfinished_requests():
-                        if self._stopping:
-                            break
-                        self.heartbeat = time.monotonic()
-                        self._cond.wait(IDLE_WAIT_S)
-                    if self._stopping:
-                        break
-                    cmds = list(self._inbox)
-                    self._inbox.clear()
-                events = self._apply(cmds)
-                if eng.has_unfinished_requests():
-                    events.extend(self._step())
-                with self._cond:
-                    self._pending_seqs -= sum(
-                        c.request.params.n for c in cmds if isinstance(c, _Add)
-                    )
-                    self._stats = eng.stats()
-                self.heartbeat = time.monotonic()
-                self._send(events)
-        except BaseException:
-            log.exception("the engine loop crashed")
-            raise
-        finally:
-            self._stopping = True
-            self._fail_all(EngineDeadError("the engine loop stopped"))
+                self._call(self._on_message, conn.recv())
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("bad message from the engine process")
+        if self._running:
+            log.error("the engine process stopped (exit code %s)", self._proc.exitcode)
+        self._call(self._on_engine_dead)
 
-    def _apply(self, cmds: list[_Add | _Abort]) -> list[tuple[str, object]]:
-        events: list[tuple[str, object]] = []
-        for cmd in cmds:
-            if isinstance(cmd, _Add):
-                r = cmd.request
-                try:
-                    self.engine.add_request(
-                        r.request_id, r.prompt_token_ids, r.params, cmd.arrival_time
-                    )
-                except ValueError as e:
-                    events.append((r.request_id, e))
-                    continue
-                except Exception as e:
-                    log.exception("add_request failed for %s", r.request_id)
-                    events.append((r.request_id, EngineStepError(f"cannot queue request: {e}")))
-                    continue
-                if self.observer is not None:
-                    self.observer.on_add(r.request_id, cmd.arrival_time)
-                events.append((r.request_id, _ACCEPTED))
-            elif self.engine.abort_request(cmd.request_id) and self.observer is not None:
-                self.observer.on_abort(cmd.request_id)
-        return events
-
-    def _step(self) -> list[tuple[str, object]]:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            self.num_step_errors += 1
-            log.exception("engine step failed; failing the requests in flight")
-            return self._fail_in_flight(EngineStepError(f"engine step failed: {e}"))
-        now = time.monotonic()
-        for out in outputs:
-            for c in out.outputs:
-                if c.logprobs is not None:  # the engine keeps appending to its own list
-                    c.logprobs = list(c.logprobs)
-        if self.observer is not None:
+    def _send_loop(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        while (msg := self._outbox.get()) is not None:
             try:
-                self.observer.on_step(outputs, now)
-            except Exception:
-                log.exception("metrics observer failed")
-        return [(out.request_id, out) for out in outputs]
-
-    def _fail_in_flight(self, error: BaseException) -> list[tuple[str, object]]:
-        events: list[tuple[str, object]] = []
-        for rid in list(self.engine.requests):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                log.exception("abort after a failed step failed for %s", rid)
-                self.engine.requests.pop(rid, None)
-            if self.observer is not None:
-                self.observer.on_abort(rid)
-            events.append((rid, error))
-        return events
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cond:
-            cmds = list(self._inbox)
-            self._inbox.clear()
-        events = [(c.request.request_id, error) for c in cmds if isinstance(c, _Add)]
-        events += [(rid, error) for rid in list(self.engine.requests)]
-        self._send(events)
+                conn.send(msg)
+            except OSError:
+                return
 
 
 class _Generate:
@@ -410,11 +422,6 @@ class _Generate:
     async def __anext__(self) -> RequestOutput:
         if self._group is None:
             self._group = self._engine.submit([self._request])
-            try:
-                await self._group.accepted()
-            except BaseException:
-                self._group.close()
-                raise
         try:
             return await self._group.__anext__()
         except BaseException:  # StopAsyncIteration, errors, cancellation

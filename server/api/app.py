@@ -1,8 +1,8 @@
 """The FastAPI application: OpenAI routes, health, readiness, metrics.
 
-``create_app(settings, engine_factory)`` returns an app whose lifespan builds the engine
-in a background thread (the server answers ``/health`` meanwhile), starts the engine
-loop, runs one short warm-up generation and only then reports ``/ready``.
+``create_app(settings, engine_factory)`` returns an app whose lifespan starts the engine
+process and waits for its model to load (the server answers ``/health`` meanwhile), runs
+one short warm-up generation and only then reports ``/ready``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from kvscale.server.api.serving_chat import create_chat_completion
 from kvscale.server.api.serving_completions import create_completion
 from kvscale.server.api.state import ServerSettings, ServerState
 from kvscale.server.async_engine import AsyncEngine
-from kvscale.server.engine.llm_engine import EngineStats, LLMEngine
+from kvscale.server.engine.core_outputs import EngineStats
 from kvscale.server.sampling_params import SamplingParams
 
 log = logging.getLogger("kvscale.server")
@@ -135,26 +135,26 @@ def _subtract(s: EngineStats, base: EngineStats | None) -> EngineStats:
     )
 
 
-async def _start_engine(state: ServerState, factory: Callable[[], LLMEngine]) -> None:
+async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) -> None:
     lc, settings = state.lifecycle, state.settings
+    aeng: AsyncEngine | None = None
     try:
         t0 = time.perf_counter()
         log.info("[1/3] loading model %s ...", settings.model_path or settings.model_name)
-        engine = await _in_daemon_thread(factory)
-        stats = engine.stats()
+        aeng = await _in_daemon_thread(factory)
+        aeng.max_queue_len = settings.max_queue_len
+        info = await aeng.start()
         log.info(
             "[2/3] model loaded in %.1fs: %s on %s, %s, max_model_len %d, KV cache %d blocks "
             "x %d tokens",
             time.perf_counter() - t0,
-            engine.model_config.architecture,
-            engine.device,
-            str(engine.dtype).removeprefix("torch."),
-            engine.max_model_len,
-            stats.kv_blocks_total,
-            engine.config.block_size,
+            info["architecture"],
+            info["device"],
+            info["dtype"],
+            aeng.max_model_len,
+            info["num_kv_blocks"],
+            info["block_size"],
         )
-        aeng = AsyncEngine(engine, settings.max_queue_len)
-        aeng.start()
         state.engine = aeng
         base: list[EngineStats | None] = [None]
         state.metrics.bind_stats(lambda: (_subtract(aeng.stats(), base[0]), aeng.num_waiting))
@@ -172,9 +172,13 @@ async def _start_engine(state: ServerState, factory: Callable[[], LLMEngine]) ->
         lc.warmed_up = True
         log.info("ready: serving %s", ", ".join(settings.served_model_names))
     except asyncio.CancelledError:
+        if aeng is not None and state.engine is None:
+            aeng.shutdown(timeout=1.0)
         raise
     except Exception as e:
         log.error("start-up failed: %s: %s", type(e).__name__, e)
+        if aeng is not None:
+            aeng.shutdown(timeout=1.0)
         lc.fail(f"{type(e).__name__}: {e}")
 
 
@@ -232,8 +236,9 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return build
 
 
-def create_app(settings: ServerSettings, engine_factory: Callable[[], LLMEngine]) -> FastAPI:
-    """The ASGI app. ``engine_factory`` builds the LLMEngine (it runs in a thread)."""
+def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngine]) -> FastAPI:
+    """The ASGI app. ``engine_factory`` builds the (not yet started) AsyncEngine; it runs
+    in a thread, since it may build the demo checkpoint and loads the tokenizer."""
     state = ServerState(
         settings=settings,
         lifecycle=Lifecycle(settings.drain_timeout),

@@ -78,9 +78,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
-def _engine_factory(cfg: EngineConfig):  # type: ignore[no-untyped-def]
+def _engine_factory(cfg: EngineConfig, log_level: str):  # type: ignore[no-untyped-def]
     def build():  # type: ignore[no-untyped-def]
-        from kvscale.server.engine.llm_engine import LLMEngine
+        from kvscale.server.async_engine import AsyncEngine
         from kvscale.server.llm import resolve_model
 
         if cfg.model == "demo":
@@ -90,7 +90,7 @@ def _engine_factory(cfg: EngineConfig):  # type: ignore[no-untyped-def]
             log.info("[1/3] demo checkpoint at %s (%.1fs)", path, time.perf_counter() - t0)
         else:
             path = resolve_model(cfg.model)
-        return LLMEngine(dataclasses.replace(cfg, model=path))
+        return AsyncEngine(dataclasses.replace(cfg, model=path), log_level=log_level)
 
     return build
 
@@ -123,7 +123,7 @@ def run_server(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         chat_template=chat_template,
     )
-    app = create_app(settings, _engine_factory(cfg))
+    app = create_app(settings, _engine_factory(cfg, args.log_level))
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -2,7 +2,7 @@
 
 Gauges and counters are read from the engine's stats snapshot when Prometheus scrapes
 (a custom collector, so they can never drift from the engine). Histograms are fed by
-``RequestTimer``, which the engine thread calls after every step. Every series carries
+``RequestTimer``, which the API server calls after every engine step. Every series carries
 the ``model_name`` label (the first served model name).
 """
 
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvscale.server.engine.llm_engine import EngineStats
+from kvscale.server.engine.core_outputs import EngineStats
 from kvscale.server.outputs import RequestOutput
 
 PREFIX = "kvscale:"
@@ -163,7 +163,7 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Engine observer (runs on the engine thread): per-request timestamps -> histograms."""
+    """Engine observer (runs on the event loop): per-request timestamps -> histograms."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.m = metrics

@@ -157,7 +157,7 @@ async def create_chat_completion(
         req, max_tokens, k, engine.vocab_size, {"logprobs": "top_logprobs", "max_tokens": mt_param}
     )
     rid = random_id("chatcmpl")
-    group = await submit(engine, [EngineRequest(rid, ids, params)])
+    group = submit(engine, [EngineRequest(rid, ids, params)])
     created = int(time.time())
     if req.stream:
         return StreamingResponse(

@@ -140,36 +140,26 @@ def check_stream_options(req: SamplingRequest) -> bool:
 def validate_prompt(engine: AsyncEngine, ids: list[int], param: str) -> None:
     """The engine's prompt checks (empty, token ids out of vocabulary) as a 400."""
     try:
-        engine.engine.validate_prompt(ids)
+        engine.validate_prompt(ids)
     except ValueError as e:
         if "max_model_len" in str(e):
             resolve_max_tokens(None, len(ids), engine.max_model_len, "max_tokens", param)
         raise APIError(400, str(e), param=param) from e
 
 
-async def submit(engine: AsyncEngine, requests: list[EngineRequest]) -> RequestGroup:
-    """Queues requests; 429 when the queue is full, 503 when the engine is down, 400 for
-    input the engine refuses."""
+def submit(engine: AsyncEngine, requests: list[EngineRequest]) -> RequestGroup:
+    """Queues requests; 400 for input the engine refuses, 429 when the queue is full,
+    503 when the engine is down."""
     try:
-        group = engine.submit(requests)
+        return engine.submit(requests)
     except QueueFullError as e:
         raise APIError(
             429, str(e), code="queue_full", headers={"Retry-After": RETRY_AFTER_S}
         ) from e
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_dead") from e
-    try:
-        await group.accepted()
     except ValueError as e:
-        group.close()
         raise APIError(400, str(e), param=param_of(e)) from e
-    except EngineDeadError as e:
-        group.close()
-        raise APIError(503, str(e), code="engine_dead") from e
-    except BaseException:
-        group.close()
-        raise
-    return group
 
 
 async def collect(group: RequestGroup) -> dict[str, RequestOutput]:

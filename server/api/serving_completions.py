@@ -113,7 +113,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     echo = None
     if req.echo:
         echo = [t or engine.detokenize(ids) for t, ids in zip(texts, prompts, strict=True)]
-    group = await submit(engine, reqs)
+    group = submit(engine, reqs)
     created = int(time.time())
     if req.stream:
         return StreamingResponse(

@@ -3,21 +3,23 @@
 A decode step (one new token per sequence) runs the same kernels every time; only the
 inputs change. For each batch size in ``batch_sizes`` the whole forward plus the LM
 head is captured once, reading from static buffers (token ids, positions, slot mapping,
-sequence lengths, block tables). A step of ``n`` sequences copies its inputs into the
-first ``n`` rows and replays the smallest graph with at least ``n`` rows; padding rows
-write nothing (slot -1) and attend to one token of block 0, and their logits are dropped.
+sequence lengths, block tables) and from ``last_tokens``, the previous step's samples
+that placeholder ids point at. A step of ``n`` sequences (its inputs already padded to
+the graph's size ``bs`` and on the device) is copied into the first ``bs`` rows, and
+graph ``bs`` is replayed; padding rows write nothing (slot -1) and attend to one token
+of block 0, and their logits are dropped.
 """
 
 from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 from torch import nn
 
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.engine.step_inputs import resolve_placeholders
 from kvscale.server.forward_context import forward_context
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class DecodeGraphs:
         batch_sizes: list[int],
         max_blocks_per_seq: int,
         block_size: int,
-        device: torch.device,
+        last_tokens: torch.Tensor,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -48,16 +50,14 @@ class DecodeGraphs:
         self.max_batch = self.batch_sizes[-1]
         self.max_blocks = max_blocks_per_seq
         self.block_size = block_size
-        n = self.max_batch
+        self.last_tokens = last_tokens
+        n, device = self.max_batch, last_tokens.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # Host staging: ids, positions, slots, seq_lens in one pinned buffer, one copy.
-        self._host = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
-        self._dev = torch.zeros(4, n, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -75,8 +75,9 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
+        ids = resolve_placeholders(self.input_ids[:bs], self.last_tokens)
         with forward_context(self.backend, self._meta(bs)):
-            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+            hidden = self.model(ids, self.positions[:bs])
             return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     @torch.inference_mode()
@@ -103,42 +104,17 @@ class DecodeGraphs:
                 return bs
         return None
 
-    def run(
-        self,
-        ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        seq_lens: list[int],
-        tables: list[list[int]],
-    ) -> torch.Tensor:
-        """Replays the graph for ``len(ids)`` decode rows; returns fp32 logits ``[n, V]``.
-
-        The pinned staging buffer is reused each step: safe because the caller reads the
-        sampled tokens back (a sync) before the next step writes it again."""
-        n = len(ids)
-        bs = self.graph_size(n)
-        assert bs is not None
-        host = self._host
-        host[0, :n] = torch.tensor(ids)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :n] = torch.tensor(slots)
-        host[3, :n] = torch.tensor(seq_lens)
-        host[0, n:bs] = 0
-        host[1, n:bs] = 0
-        host[2, n:bs] = -1
-        host[3, n:bs] = 1
-        self._dev[:, :bs].copy_(host[:, :bs], non_blocking=True)
-        self.input_ids[:bs].copy_(self._dev[0, :bs])
-        self.positions[:bs].copy_(self._dev[1, :bs])
-        self.slot_mapping[:bs].copy_(self._dev[2, :bs])
-        self.seq_lens[:bs].copy_(self._dev[3, :bs])
-        width = max(len(t) for t in tables)
-        table = np.zeros((n, width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        # Rows past ``width`` keep stale entries: kernels never read past a row's length.
-        self.block_tables[:n, :width].copy_(torch.from_numpy(table), non_blocking=False)
-        if bs > n:
-            self.block_tables[n:bs, 0] = 0
+    def run(self, dev: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """Replays the graph for a decode step whose device inputs (``ids``, ``positions``,
+        ``slots``, ``seq_lens`` [bs]; ``tables`` [bs, W]) are padded to a captured size
+        ``bs``; returns the fp32 logits ``[n, V]`` of the real rows. Table columns past W
+        keep stale entries: kernels never read past a row's length."""
+        bs = dev["ids"].shape[0]
+        width = dev["tables"].shape[1]
+        self.input_ids[:bs].copy_(dev["ids"])
+        self.positions[:bs].copy_(dev["positions"])
+        self.slot_mapping[:bs].copy_(dev["slots"])
+        self.seq_lens[:bs].copy_(dev["seq_lens"])
+        self.block_tables[:bs, :width].copy_(dev["tables"])
         self.graphs[bs].replay()
         return self.logits[bs][:n]

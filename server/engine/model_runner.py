@@ -1,8 +1,12 @@
 """Runs one scheduled batch through the model and samples the next tokens.
 
-Owns the model, the paged KV pool (allocated once) and the attention backend. Input
-is the scheduler's batch; output is one sampled token (plus logprobs if asked) for
-each sequence whose prompt is fully in the cache after this step.
+Owns the model, the paged KV pool (allocated once), the attention backend and the decode
+CUDA graphs. ``launch`` builds the step's inputs on the host (``step_inputs``), copies
+them in one pinned transfer, enqueues the forward pass and the sampling, and starts
+copying the sampled tokens back, all without waiting for the GPU; the returned
+``PendingStep`` waits only when its ``result()`` is read. So the engine can prepare and
+launch step N+1 while the GPU still runs step N: step N+1 may feed tokens sampled in
+step N as placeholders, which the device resolves from ``last_tokens``.
 """
 
 from __future__ import annotations
@@ -11,18 +15,28 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvscale.server.attention.backend import get_backend
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.engine.core_outputs import RowLogprobs
 from kvscale.server.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from kvscale.server.engine.host_to_device import to_device
 from kvscale.server.engine.scheduler import ScheduledBatch
 from kvscale.server.engine.sequence import Sequence
+from kvscale.server.engine.step_inputs import (
+    StepPlan,
+    padded_rows,
+    plan_step,
+    resolve_placeholders,
+)
 from kvscale.server.forward_context import forward_context
 from kvscale.server.layers import ops
 from kvscale.server.layers.sampler import SamplingTensors, sample, top_logprobs
 from kvscale.server.loader import load_model
 from kvscale.server.model_config import ModelConfig
+from kvscale.server.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +49,52 @@ class StepResult:
 
     seqs: list[Sequence]
     token_ids: list[int]
-    # per row: (top ids, top logprobs, sampled logprob, sampled rank) when logprobs asked
-    logprobs: list[tuple[list[int], list[float], float, int] | None]
+    logprobs: list[RowLogprobs | None]
+
+
+class PendingStep:
+    """A launched step whose sampled tokens (and logprobs) are being copied to the host."""
+
+    def __init__(
+        self,
+        seqs: list[Sequence],
+        tokens: torch.Tensor | None,
+        logprobs: tuple[torch.Tensor, ...] | None,
+        want_logprobs: list[int | None],
+        on_cuda: bool = False,
+    ) -> None:
+        self.seqs = seqs
+        self._tokens = tokens
+        self._logprobs = logprobs
+        self._want = want_logprobs
+        self._event: torch.cuda.Event | None = None
+        if on_cuda:  # marks the end of the copies just enqueued
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> StepResult:
+        """Waits for the copies (the GIL is released while waiting)."""
+        if self._event is not None:
+            self._event.synchronize()
+        if self._tokens is None:
+            return StepResult([], [], [])
+        tokens = self._tokens.tolist()
+        lps: list[RowLogprobs | None] = [None] * len(tokens)
+        if self._logprobs is not None:
+            top_ids, top_lp, s_lp, rank = (t.tolist() for t in self._logprobs)
+            for row, k in enumerate(self._want):
+                if k is not None:
+                    lps[row] = (top_ids[row][:k], top_lp[row][:k], s_lp[row], rank[row])
+        return StepResult(self.seqs, tokens, lps)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Starts a device-to-host copy into pinned memory (a no-op on CPU)."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
 
 
 class ModelRunner:
@@ -61,6 +119,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.vocab_size = model_config.vocab_size
         self.backend = get_backend(attention_backend, device)
         # Compiled: Inductor fuses the elementwise references itself; eager on CUDA: the
         # hand-written Triton kernels.
@@ -73,6 +132,10 @@ class ModelRunner:
         self.attn_layers = self.model.attention_layers()  # type: ignore[operator]
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # The tokens sampled by the latest step that sampled (row r at index r).
+        self.last_tokens = torch.zeros(
+            max(1, max_num_batched_tokens), dtype=torch.long, device=device
+        )
         if num_kv_blocks is None:
             num_kv_blocks = self._auto_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
         self.num_kv_blocks = num_kv_blocks
@@ -86,7 +149,7 @@ class ModelRunner:
                 capture_sizes(cuda_graph_max_batch),
                 -(-max_model_len // block_size),
                 block_size,
-                device,
+                self.last_tokens,
             )
             self.graphs.capture()
 
@@ -112,17 +175,11 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n_blocks = -(-max_tokens // self.block_size)
         self._allocate_kv_cache(n_blocks)
-        ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        meta = _metadata(
-            [max_tokens],
-            [max_tokens],
-            [list(range(n_blocks))],
-            list(range(max_tokens)),
-            self.device,
-        )
-        with torch.inference_mode(), forward_context(self.backend, meta):
-            hidden = self.model(ids, torch.arange(max_tokens, device=self.device))
-            self.model.compute_logits(hidden[-1:])  # type: ignore[operator]
+        seq = Sequence(0, "profile", 0, [0] * max_tokens, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(n_blocks))
+        plan = plan_step(ScheduledBatch([seq], [max_tokens]), self.block_size)
+        with torch.inference_mode():
+            self._forward_eager(plan, to_device(plan.arrays, self.device))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self._allocate_kv_cache(0)
@@ -142,81 +199,60 @@ class ModelRunner:
         return int(blocks)
 
     # ---- one step ------------------------------------------------------------------
+    def execute(self, batch: ScheduledBatch, banned: dict[int, list[int]]) -> StepResult:
+        """Runs the batch and waits for its sampled tokens."""
+        return self.launch(batch, banned).result()
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, eos_ids: dict[int, list[int]]) -> StepResult:
-        """Runs the batch; ``eos_ids[seq_id]`` lists tokens banned for that row (min_tokens)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        bs = self.block_size
-        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            q_lens.append(n)
-            seq_lens.append(start + n)
-            if start + n == seq.num_tokens:
-                sample_rows.append(b)
-        tables = [s.block_table for s in batch.seqs]
+    def launch(self, batch: ScheduledBatch, banned: dict[int, list[int]]) -> PendingStep:
+        """Enqueues the batch's forward pass and sampling; ``banned[seq_id]`` lists tokens
+        that sequence may not sample this step (EOS before ``min_tokens``)."""
         graphs = self.graphs
-        if (
-            graphs is not None
-            and len(ids) == len(sample_rows) == len(batch.seqs)  # decode only
-            and graphs.graph_size(len(ids)) is not None
+        pad = 0
+        if graphs is not None and all(
+            n == 1 and s.num_computed_tokens + 1 == s.num_tokens
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
         ):
-            logits = graphs.run(ids, positions, slots, seq_lens, tables)
-            return self._sample(batch.seqs, logits, eos_ids)
-        dev = self.device
-        meta = _metadata(q_lens, seq_lens, tables, slots, dev)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        with forward_context(self.backend, meta):
-            hidden = self.model(input_ids, pos)
-        seqs = [batch.seqs[b] for b in sample_rows]
+            pad = graphs.graph_size(len(batch)) or 0
+        plan = plan_step(batch, self.block_size, pad)
+        seqs = [batch.seqs[b] for b in plan.sample_rows]
+        arrays = dict(plan.arrays)
+        flags = self._sampling_arrays(seqs, banned, arrays)
+        dev = to_device(arrays, self.device)
+        if pad:
+            assert graphs is not None
+            logits = graphs.run(dev, len(batch))
+        else:
+            logits = self._forward_eager(plan, dev)
         if not seqs:
-            return StepResult([], [], [])
-        last = [meta.query_start_loc_cpu[b + 1] - 1 for b in sample_rows]
-        logits = self.model.compute_logits(hidden[torch.tensor(last, device=dev)])  # type: ignore[operator]
-        return self._sample(seqs, logits, eos_ids)
+            return PendingStep([], None, None, [])
+        return self._sample(seqs, logits, dev, flags)
 
-    def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor, banned: dict[int, list[int]]
-    ) -> StepResult:
-        want_lp = [s.params.logprobs for s in seqs]
-        raw = logits.clone() if any(k is not None for k in want_lp) else None
-        for row, seq in enumerate(seqs):
-            ban = banned.get(seq.seq_id)
-            if ban:
-                logits[row, ban] = float("-inf")
-        t, prompt_mask, counts = self._sampling_tensors(seqs, logits.shape[1])
-        tokens = sample(logits, t, [s.generator for s in seqs], self.generator, prompt_mask, counts)
-        lps: list[tuple[list[int], list[float], float, int] | None] = [None] * len(seqs)
-        if raw is not None:
-            k = max(k or 0 for k in want_lp)
-            top_ids, top_lp, s_lp, rank = top_logprobs(raw, tokens, k)
-            top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
-            s_lp, rank = s_lp.tolist(), rank.tolist()
-            for row, kk in enumerate(want_lp):
-                if kk is not None:
-                    lps[row] = (top_ids[row][:kk], top_lp[row][:kk], s_lp[row], rank[row])
-        return StepResult(seqs, tokens.tolist(), lps)
-
-    def _sampling_tensors(
-        self, seqs: list[Sequence], vocab: int
-    ) -> tuple[SamplingTensors, torch.Tensor | None, torch.Tensor | None]:
-        ps = [s.params for s in seqs]
-        dev = self.device
-
-        do_pen = any(
-            p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps
+    def _forward_eager(self, plan: StepPlan, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model on the step's device inputs; fp32 logits ``[S, V]`` of the rows that
+        sample."""
+        meta = AttentionMetadata(
+            slot_mapping=dev["slots"],
+            query_start_loc=dev["q_start"],
+            seq_lens=dev["seq_lens"],
+            block_tables=dev["tables"],
+            max_query_len=plan.max_query_len,
+            max_seq_len=plan.max_seq_len,
+            query_start_loc_cpu=plan.q_starts,
+            seq_lens_cpu=plan.seq_lens,
         )
-        # One host-to-device copy for all per-row parameters.
-        cols = torch.tensor(
+        ids = resolve_placeholders(dev["ids"], self.last_tokens)
+        with forward_context(self.backend, meta):
+            hidden = self.model(ids, dev["positions"])
+        return self.model.compute_logits(hidden[dev["logits_idx"]])  # type: ignore[operator]
+
+    # ---- sampling ----------------------------------------------------------------------
+    def _sampling_arrays(
+        self, seqs: list[Sequence], banned: dict[int, list[int]], arrays: dict[str, np.ndarray]
+    ) -> dict[str, bool]:
+        """Adds the sampling inputs of ``seqs`` to ``arrays``; returns host-side flags."""
+        ps = [s.params for s in seqs]
+        arrays["sampling"] = np.array(
             [
                 (
                     p.temperature,
@@ -230,8 +266,45 @@ class ModelRunner:
                 )
                 for p in ps
             ],
-            dtype=torch.float32,
-        ).to(dev, non_blocking=True)
+            dtype=np.float32,
+        ).reshape(len(ps), 8)
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        for row, seq in enumerate(seqs):
+            ban = banned.get(seq.seq_id)
+            if ban:
+                ban_rows.extend([row] * len(ban))
+                ban_cols.extend(ban)
+        if ban_rows:
+            arrays["ban_rows"] = np.array(ban_rows, dtype=np.int64)
+            arrays["ban_cols"] = np.array(ban_cols, dtype=np.int64)
+        do_pen = any(
+            p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps
+        )
+        if do_pen:
+            # pad id = vocab, a spare last column; output ids may hold placeholders
+            arrays["prompt_ids"] = padded_rows([s.prompt_token_ids for s in seqs], self.vocab_size)
+            arrays["output_ids"] = padded_rows([s.output_token_ids for s in seqs], self.vocab_size)
+        return {
+            "all_greedy": all(p.greedy for p in ps),
+            "do_top_k": any(p.top_k > 0 for p in ps),
+            "do_top_p_min_p": any(p.top_p < 1 or p.min_p > 0 for p in ps),
+            "do_penalties": do_pen,
+            "ban": bool(ban_rows),
+        }
+
+    def _sample(
+        self,
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        dev: dict[str, torch.Tensor],
+        flags: dict[str, bool],
+    ) -> PendingStep:
+        want_lp = [s.params.logprobs for s in seqs]
+        raw = logits.clone() if any(k is not None for k in want_lp) else None
+        if flags["ban"]:
+            logits[dev["ban_rows"], dev["ban_cols"]] = float("-inf")
+        cols = dev["sampling"]
         t = SamplingTensors(
             temperature=cols[:, 0],
             top_k=cols[:, 1].long(),
@@ -241,50 +314,30 @@ class ModelRunner:
             repetition_penalty=cols[:, 5],
             presence_penalty=cols[:, 6],
             frequency_penalty=cols[:, 7],
-            do_top_k=any(p.top_k > 0 for p in ps),
-            do_top_p_min_p=any(p.top_p < 1 or p.min_p > 0 for p in ps),
-            do_penalties=do_pen,
+            do_top_k=flags["do_top_k"],
+            do_top_p_min_p=flags["do_top_p_min_p"],
+            do_penalties=flags["do_penalties"],
+            all_greedy=flags["all_greedy"],
         )
-        if not do_pen:
-            return t, None, None
-        # Ragged token lists -> padded id matrices (pad id = vocab, a spare last column),
-        # then one scatter each: no per-row device work.
-        prompt_ids = _padded([s.prompt_token_ids for s in seqs], vocab, dev)
-        output_ids = _padded([s.output_token_ids for s in seqs], vocab, dev)
-        n = len(seqs)
-        prompt_mask = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev)
-        prompt_mask.scatter_(1, prompt_ids, True)
-        counts = torch.zeros(n, vocab + 1, dtype=torch.int32, device=dev)
+        prompt_mask = counts = None
+        if flags["do_penalties"]:
+            prompt_mask, counts = self._penalty_inputs(dev, len(seqs))
+        tokens = sample(logits, t, [s.generator for s in seqs], self.generator, prompt_mask, counts)
+        self.last_tokens[: len(seqs)].copy_(tokens)
+        host_lp = None
+        if raw is not None:
+            k = max(k or 0 for k in want_lp)
+            host_lp = tuple(_to_host(x) for x in top_logprobs(raw, tokens, k))
+        return PendingStep(seqs, _to_host(tokens), host_lp, want_lp, self.device.type == "cuda")
+
+    def _penalty_inputs(
+        self, dev: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, V]`` prompt-token mask and output-token counts, one scatter each."""
+        vocab = self.vocab_size
+        output_ids = resolve_placeholders(dev["output_ids"], self.last_tokens)
+        prompt_mask = torch.zeros(n, vocab + 1, dtype=torch.bool, device=self.device)
+        prompt_mask.scatter_(1, dev["prompt_ids"], True)
+        counts = torch.zeros(n, vocab + 1, dtype=torch.int32, device=self.device)
         counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.int32))
-        prompt_mask, counts = prompt_mask[:, :vocab], counts[:, :vocab]
-        return t, prompt_mask, counts
-
-
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """``rows`` as an int64 ``[len(rows), max_len]`` tensor padded with ``pad`` (min width 1)."""
-    width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
-
-
-def _metadata(
-    q_lens: list[int],
-    seq_lens: list[int],
-    tables: list[list[int]],
-    slots: list[int],
-    device: torch.device,
-) -> AttentionMetadata:
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
-    )
+        return prompt_mask[:, :vocab], counts[:, :vocab]

@@ -6,7 +6,8 @@ new tokens and ``max_num_seqs`` sequences. A prompt longer than the remaining bu
 is prefilled in chunks over several steps. When a running sequence needs a block and
 none is free, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed from its tokens later (its
-generated tokens are kept, so nothing is lost).
+generated tokens are kept, so nothing is lost). A running sequence marked ``stopping``
+(its last token is being sampled by the step in flight) is skipped.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0 or seq.stopping:
+                i += 1
+                continue
             if self._reserve(seq, n, batch):
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvscale.server.outputs import Logprob
 from kvscale.server.sampling_params import SamplingParams
 
 
@@ -20,7 +19,14 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """``token_ids`` is prompt + output so far; ``num_computed_tokens`` of them are in the cache."""
+    """``token_ids`` is prompt + output so far; ``num_computed_tokens`` of them are in the cache.
+
+    The engine launches a step before the previous one's tokens reach the host, so the
+    last one or two output tokens may be placeholders, ``-(row + 1)``, for tokens still on
+    the device (see ``step_inputs``). ``stopping``: the newest placeholder is the
+    sequence's last token (``max_tokens`` or the context is reached), so there is nothing
+    more to compute for it.
+    """
 
     seq_id: int
     request_id: str
@@ -34,8 +40,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | None = None
+    stopping: bool = False
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -43,8 +49,6 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.logprobs is not None:
-            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,3 +77,8 @@ class Sequence:
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
         self.token_times.append(now)
+
+    def drop_placeholders(self) -> None:
+        """Removes trailing placeholder tokens (of steps whose results no longer matter)."""
+        while len(self.token_ids) > self.num_prompt_tokens and self.token_ids[-1] < 0:
+            self.token_ids.pop()

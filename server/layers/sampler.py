@@ -2,7 +2,8 @@
 
 All functions take fp32 logits ``[N, V]`` (one row per sequence that samples this step)
 and per-row parameter tensors ``[N]`` on the same device, with no per-row Python loop
-except the draw for rows that carry their own seeded generator.
+except the draw for rows that carry their own seeded generator, and no device-to-host
+sync: what must be known on the host (all rows greedy? any top-k?) comes as flags.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class SamplingTensors:
     do_top_k: bool
     do_top_p_min_p: bool
     do_penalties: bool
+    all_greedy: bool = False  # decided on the host: no device sync to find out
 
 
 def apply_penalties(
@@ -121,7 +123,7 @@ def sample(
             t.frequency_penalty,
         )
     greedy_tokens = logits.argmax(dim=-1)
-    if bool(t.greedy.all()):
+    if t.all_greedy:
         return greedy_tokens
     logits.div_(torch.where(t.greedy, 1.0, t.temperature).unsqueeze(1))
     apply_top_k_top_p_min_p(

@@ -1,13 +1,18 @@
-"""The engine thread behind the server: delivery, abort on close, failed steps, queue limit."""
+"""The API side of the engine and the engine process: delivery, abort on close, failed
+steps, a dead engine, bad input and the queue limit (real processes on CPU)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvscale.server import LLM
 from kvscale.server.api.metrics import ServerMetrics
 from kvscale.server.async_engine import (
     AsyncEngine,
@@ -17,143 +22,148 @@ from kvscale.server.async_engine import (
     QueueFullError,
 )
 from kvscale.server.config import EngineConfig
-from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.sampling_params import SamplingParams
 
+from .engine_faults import run_failing_to_load, run_with_failing_third_step
+
 PROMPT = [1, 415, 2936, 9060, 285]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def engine(llama_ckpt: Path) -> Iterator[LLMEngine]:
-    eng = LLMEngine(EngineConfig(model=str(llama_ckpt), device="cpu", num_kv_blocks=64))
-    yield eng
+@pytest.fixture
+def importable_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spawned engine processes copy sys.path: let them import tests.server.engine_faults."""
+    monkeypatch.syspath_prepend(str(ROOT))
 
 
-def _clean(engine: LLMEngine) -> None:
-    assert not engine.requests
-    s = engine.stats()
-    assert s.kv_blocks_free == s.kv_blocks_total and s.num_running == s.num_waiting == 0
+def _config(ckpt: Path) -> EngineConfig:
+    return EngineConfig(model=str(ckpt), device="cpu", num_kv_blocks=64)
 
 
-def test_outputs_are_cumulative_and_match_the_offline_engine(engine: LLMEngine) -> None:
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    engine.add_request("ref", PROMPT, params)
-    ref = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            ref = out
+def _run(ckpt: Path, body: Callable[[AsyncEngine], Any], **kw: Any) -> Any:
+    """Starts an AsyncEngine on a fresh event loop, runs ``body``, always shuts down."""
 
-    async def run() -> list:
-        aeng = AsyncEngine(engine)
-        aeng.start()
+    async def main() -> Any:
+        aeng = AsyncEngine(_config(ckpt), **kw)
+        await aeng.start()
         try:
-            return [o async for o in aeng.generate("a", PROMPT, params)]
+            return await body(aeng)
         finally:
             aeng.shutdown()
 
-    outs = asyncio.run(run())
+    return asyncio.run(main())
+
+
+async def _wait_idle(aeng: AsyncEngine) -> None:
+    for _ in range(300):
+        s = aeng.stats()
+        if s.kv_blocks_free == s.kv_blocks_total and not s.num_running and not s.num_waiting:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle: {aeng.stats()}")
+
+
+def test_outputs_are_cumulative_and_match_the_offline_engine(llama_ckpt: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["\n\n\n"])
+    ref = LLM(str(llama_ckpt), device="cpu", num_kv_blocks=64).generate([PROMPT], params)[0]
+
+    async def body(aeng: AsyncEngine) -> list:
+        outs = [o async for o in aeng.generate("a", PROMPT, params)]
+        await _wait_idle(aeng)
+        return outs
+
+    outs = _run(llama_ckpt, body)
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
     assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
     assert outs[-1].outputs[0].text == ref.outputs[0].text
     lens = [len(o.outputs[0].token_ids) for o in outs]
     assert lens == sorted(lens) and lens[-1] == 12
-    _clean(engine)
 
 
-def test_closing_a_group_aborts_its_requests(engine: LLMEngine) -> None:
+def test_closing_a_group_aborts_its_requests(llama_ckpt: Path) -> None:
     metrics = ServerMetrics("m")
 
-    async def run() -> None:
-        aeng = AsyncEngine(engine, observer=metrics.timer)
-        aeng.start()
-        try:
-            params = SamplingParams(max_tokens=200, ignore_eos=True, n=2)
-            group = aeng.submit([EngineRequest("g", PROMPT, params)])
-            await group.accepted()
-            async with group:
-                async for out in group:
-                    if len(out.outputs[0].token_ids) >= 3:
-                        break
-            for _ in range(200):
-                if aeng.stats().kv_blocks_free == aeng.stats().kv_blocks_total:
+    async def body(aeng: AsyncEngine) -> None:
+        params = SamplingParams(max_tokens=200, ignore_eos=True, n=2)
+        group = aeng.submit([EngineRequest("g", PROMPT, params)])
+        async with group:
+            async for out in group:
+                if len(out.outputs[0].token_ids) >= 3:
                     break
-                await asyncio.sleep(0.01)
-            s = aeng.stats()
-            assert s.kv_blocks_free == s.kv_blocks_total and s.finished.get("abort") == 1
-        finally:
-            aeng.shutdown()
+        await _wait_idle(aeng)
+        assert aeng.stats().finished == {"abort": 1}
+        assert not aeng.processor.requests
 
-    asyncio.run(run())
-    _clean(engine)
+    _run(llama_ckpt, body, observer=metrics.timer)
     assert metrics.timer.num_tracked == 0
 
 
-def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(
-    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
+    llama_ckpt: Path, importable_tests: None
 ) -> None:
-    real_step = engine.step
-    calls = {"n": 0}
+    async def body(aeng: AsyncEngine) -> None:
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        with pytest.raises(EngineStepError, match="boom"):
+            async for _ in aeng.generate("doomed", PROMPT, params):
+                pass
+        outs = [o async for o in aeng.generate("fine", PROMPT, SamplingParams(max_tokens=4))]
+        assert outs[-1].finished
+        assert aeng.is_alive() and aeng.num_step_errors == 1
+        await _wait_idle(aeng)
 
-    def flaky_step():  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("boom")
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", flaky_step)
-
-    async def run() -> None:
-        aeng = AsyncEngine(engine)
-        aeng.start()
-        try:
-            params = SamplingParams(max_tokens=50, ignore_eos=True)
-            with pytest.raises(EngineStepError, match="boom"):
-                async for _ in aeng.generate("doomed", PROMPT, params):
-                    pass
-            outs = [o async for o in aeng.generate("fine", PROMPT, SamplingParams(max_tokens=4))]
-            assert outs[-1].finished
-            assert aeng.is_alive() and aeng.num_step_errors == 1
-        finally:
-            aeng.shutdown()
-
-    asyncio.run(run())
-    _clean(engine)
+    _run(llama_ckpt, body, process_target=run_with_failing_third_step)
 
 
-def test_bad_input_is_refused_at_acceptance(engine: LLMEngine) -> None:
-    async def run() -> None:
-        aeng = AsyncEngine(engine)
-        aeng.start()
-        try:
-            bad = SamplingParams(stop_token_ids=[10**9])
-            group = aeng.submit([EngineRequest("ok", PROMPT, SamplingParams(max_tokens=2)),
-                                 EngineRequest("bad", PROMPT, bad)])  # fmt: skip
-            with pytest.raises(ValueError, match="stop_token_ids"):
-                await group.accepted()
-            group.close()  # aborts "ok" too
-            for _ in range(200):
-                if not aeng.stats().num_running and not aeng.stats().num_waiting:
-                    break
-                await asyncio.sleep(0.01)
-        finally:
-            aeng.shutdown()
+def test_a_killed_engine_process_fails_requests_in_flight(llama_ckpt: Path) -> None:
+    async def body(aeng: AsyncEngine) -> None:
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        with pytest.raises(EngineDeadError):
+            async for out in aeng.generate("victim", PROMPT, params):
+                if len(out.outputs[0].token_ids) == 2:
+                    os.kill(aeng._proc.pid, signal.SIGKILL)
+        assert not aeng.is_alive()
+        with pytest.raises(EngineDeadError):
+            aeng.submit([EngineRequest("late", PROMPT, params)])
 
-    asyncio.run(run())
-    _clean(engine)
+    _run(llama_ckpt, body)
 
 
-def test_queue_limit_and_dead_engine(engine: LLMEngine) -> None:
-    async def run() -> None:
-        aeng = AsyncEngine(engine, max_queue_len=1)
+def test_a_model_that_cannot_load_is_reported(llama_ckpt: Path, importable_tests: None) -> None:
+    async def main() -> None:
+        aeng = AsyncEngine(_config(llama_ckpt), process_target=run_failing_to_load)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            await aeng.start()
+        assert not aeng.is_alive() and aeng._proc.exitcode is not None
+
+    asyncio.run(main())
+
+
+def test_bad_input_is_refused_at_submission(llama_ckpt: Path) -> None:
+    async def body(aeng: AsyncEngine) -> None:
+        ok = EngineRequest("ok", PROMPT, SamplingParams(max_tokens=2))
+        bad = EngineRequest("bad", PROMPT, SamplingParams(stop_token_ids=[10**9]))
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            aeng.submit([ok, bad])
+        with pytest.raises(ValueError, match="prompt token ids"):
+            aeng.submit([EngineRequest("oov", [1, 10**9], SamplingParams())])
+        assert not aeng.processor.requests  # nothing was queued, "ok" included
+        await asyncio.sleep(0.2)
+        assert aeng.stats().num_waiting == aeng.stats().num_running == 0
+
+    _run(llama_ckpt, body)
+
+
+def test_queue_limit_and_dead_engine(llama_ckpt: Path) -> None:
+    async def main() -> None:
+        aeng = AsyncEngine(_config(llama_ckpt), max_queue_len=1)
         with pytest.raises(EngineDeadError):
             aeng.submit([EngineRequest("x", PROMPT, SamplingParams())])
-        aeng.start()
+        await aeng.start()
         params = SamplingParams(max_tokens=300, ignore_eos=True)
         first = aeng.submit([EngineRequest("q1", PROMPT, params)])
-        with pytest.raises(QueueFullError) as e:  # q1 is still pending: 1 waiting
+        with pytest.raises(QueueFullError) as e:  # q1 is not queued in the engine yet
             aeng.submit([EngineRequest("q2", PROMPT, params)])
         assert e.value.limit == 1
-        await first.accepted()
         aeng.shutdown()
         assert not aeng.is_alive()
         with pytest.raises(EngineDeadError):
@@ -161,7 +171,4 @@ def test_queue_limit_and_dead_engine(engine: LLMEngine) -> None:
                 pass
         first.close()
 
-    asyncio.run(run())
-    for rid in list(engine.requests):  # the loop stopped with q1 in the engine
-        engine.abort_request(rid)
-    _clean(engine)
+    asyncio.run(main())

@@ -1,0 +1,259 @@
+"""The engine core: token ids in, token ids out, one scheduled step at a time.
+
+It owns the scheduler, the KV block manager and the model runner, and applies the
+stop rules that need no text (EOS, stop token ids, ``max_tokens``, the context length).
+Text (detokenization, stop strings, logprob tokens) is the output processor's job, on
+the other side of the process boundary when serving.
+
+Steps are pipelined one deep: ``step()`` schedules and launches step N+1, then waits for
+step N's sampled tokens and turns them into ``SeqUpdate``s, so the host's scheduling,
+input preparation and bookkeeping run while the GPU computes. Step N+1 feeds the tokens
+step N sampled as placeholders that the device resolves. A sequence that step N
+finished (EOS) was already scheduled in N+1: that one extra row is computed and
+dropped. A sequence whose last token is in flight (``max_tokens``) is not scheduled.
+Finishing or aborting frees blocks at once; a step still in flight may write stale KV
+into them, but every later step runs after it on the same stream, so the blocks' next
+owner overwrites that before reading.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvscale.server.config import EngineConfig
+from kvscale.server.engine.block_manager import BlockManager
+from kvscale.server.engine.core_outputs import EngineStats, SeqUpdate
+from kvscale.server.engine.model_runner import ModelRunner, PendingStep
+from kvscale.server.engine.request import Request, check_params, check_prompt
+from kvscale.server.engine.scheduler import ScheduledBatch, Scheduler
+from kvscale.server.engine.sequence import Sequence
+from kvscale.server.model_config import ModelConfig
+from kvscale.server.sampling_params import SamplingParams
+
+
+@dataclass
+class _Inflight:
+    """A launched step: its pending results and where each sampled token goes."""
+
+    pending: PendingStep
+    positions: list[int]  # index in seq.token_ids of each sampled row's placeholder
+
+
+class EngineCore:
+    """Not thread-safe: one loop drives it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        eos_token_ids: set[int],
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(model_config, self.device)
+        self.runner = ModelRunner(
+            model_config,
+            config.model,
+            self.dtype,
+            self.device,
+            config.block_size,
+            config.num_kv_blocks,
+            int(config.max_num_batched_tokens or 0),
+            config.gpu_memory_utilization,
+            config.attention_backend,
+            config.seed,
+            max_model_len=max_model_len,
+            enforce_eager=config.enforce_eager,
+            cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+            compile_model=config.compile,
+        )
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        if self.block_manager.blocks_for(max_model_len) > self.block_manager.num_blocks:
+            capacity = self.block_manager.num_blocks * config.block_size
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.block_manager.num_blocks} blocks of "
+                f"{config.block_size}), fewer than max_model_len={max_model_len}: raise "
+                "num_kv_blocks / gpu_memory_utilization or lower max_model_len"
+            )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, int(config.max_num_batched_tokens or 0)
+        )
+        self.requests: dict[str, Request] = {}
+        self._inflight: _Inflight | None = None
+        self._seq_ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming what is wrong; queues nothing."""
+        check_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
+        check_params(params, self.model_config.vocab_size)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues ``params.n`` sequences. Raises ValueError (queues nothing) for bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_request(prompt_ids, params)
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = []
+        for i in range(params.n):
+            child = params.for_child(i)
+            gen = None
+            if child.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(child.seed)
+            seqs.append(Sequence(next(self._seq_ids), request_id, i, prompt_ids, child, now, gen))
+        self.requests[request_id] = Request(request_id, list(prompt_ids), params, seqs, now)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drops a request now and frees its blocks; False if it is not known."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort", time.monotonic())
+        return True
+
+    def finish_sequence(self, request_id: str, index: int) -> None:
+        """Ends sample ``index`` of a request as stopped (the output side found a stop
+        string); unknown or already finished sequences are ignored."""
+        req = self.requests.get(request_id)
+        if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
+            return
+        self._finish(req.seqs[index], "stop", time.monotonic())
+        if req.finished:
+            del self.requests[request_id]
+
+    def abort_all(self) -> list[str]:
+        """Drops every request and the step in flight (after a failed step); returns the
+        dropped request ids."""
+        rids = list(self.requests)
+        for rid in rids:
+            self.abort_request(rid)
+        self._inflight = None
+        return rids
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or self._inflight is not None
+
+    # ---- one step ------------------------------------------------------------------
+    def step(self) -> list[SeqUpdate]:
+        """Launches the next batch, then returns the tokens of the step launched before."""
+        batch = self.scheduler.schedule()
+        launched = self._launch(batch) if batch.seqs else None
+        inflight, self._inflight = self._inflight, launched
+        return self._collect(inflight) if inflight is not None else []
+
+    def _launch(self, batch: ScheduledBatch) -> _Inflight:
+        now = time.monotonic()
+        banned: dict[int, list[int]] = {}
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            if seq.num_output_tokens < seq.params.min_tokens:
+                banned[seq.seq_id] = self._min_tokens_ban(seq)
+        pending = self.runner.launch(batch, banned)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        positions = []
+        for row, seq in enumerate(pending.seqs):
+            positions.append(seq.num_tokens)
+            seq.token_ids.append(-(row + 1))
+            max_tokens = seq.params.max_tokens
+            if (
+                max_tokens is not None and seq.num_output_tokens >= max_tokens
+            ) or seq.num_tokens >= self.max_model_len:
+                seq.stopping = True
+        return _Inflight(pending, positions)
+
+    def _collect(self, inflight: _Inflight) -> list[SeqUpdate]:
+        result = inflight.pending.result()
+        now = time.monotonic()
+        updates: list[SeqUpdate] = []
+        for seq, pos, token, lp in zip(
+            result.seqs, inflight.positions, result.token_ids, result.logprobs, strict=True
+        ):
+            if seq.is_finished:  # aborted, or ended by the step before: an extra row
+                continue
+            seq.token_ids[pos] = token
+            seq.token_times.append(now)
+            self._generation_tokens += 1
+            k = pos - seq.num_prompt_tokens + 1  # this token's 1-based index in the output
+            if k == 1 and seq.index == 0:
+                self._prompt_tokens += seq.num_prompt_tokens
+            reason, stop_token = self._stop_reason(seq, token, k, pos)
+            if reason is not None:
+                seq.stop_reason = stop_token
+                self._finish(seq, reason, now)
+                req = self.requests.get(seq.request_id)
+                if req is not None and req.finished:
+                    del self.requests[seq.request_id]
+            updates.append(
+                SeqUpdate(
+                    seq.request_id,
+                    seq.index,
+                    token,
+                    lp,
+                    reason,
+                    stop_token,
+                    seq.first_scheduled_time if k == 1 else None,
+                )
+            )
+        return updates
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.drop_placeholders()
+        seq.finish_reason = reason
+        seq.finished_time = now
+        self.scheduler.finish(seq)
+
+    def _stop_reason(
+        self, seq: Sequence, token: int, k: int, pos: int
+    ) -> tuple[str | None, int | None]:
+        p = seq.params
+        if k >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in (p.stop_token_ids or ()):
+                return "stop", token
+        if (p.max_tokens is not None and k >= p.max_tokens) or pos + 1 >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _min_tokens_ban(self, seq: Sequence) -> list[int]:
+        ban = list(seq.params.stop_token_ids or [])
+        if not seq.params.ignore_eos:
+            ban.extend(self.eos_token_ids)
+        return ban
+
+    # ---- introspection ---------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )

@@ -1,0 +1,49 @@
+"""One pinned host-to-device transfer for all of a step's small inputs.
+
+A step needs a dozen small arrays on the device (token ids, positions, slots, block
+tables, sampling parameters...). Copying each on its own costs one launch and, from
+pageable memory, one host stall apiece. ``to_device`` packs them into one pinned byte
+buffer (each section 8-byte aligned), issues a single non-blocking copy, and returns
+typed device views of the sections. The pinned buffer is fresh each step: PyTorch's
+caching host allocator hands it out again only once the copy that read it has finished.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+def _aligned(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """``{name: host array}`` -> ``{name: device tensor}`` (same shapes and dtypes:
+    int64, int32, float32 or bool) through one pinned buffer and one copy."""
+    layout: list[tuple[str, np.ndarray, int]] = []
+    total = 0
+    for name, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        if a.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"{name}: dtype {a.dtype} cannot be packed")
+        layout.append((name, a, total))
+        total = _aligned(total + a.nbytes)
+    pin = device.type == "cuda"
+    host = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=pin)
+    buf = host.numpy()
+    for _name, a, off in layout:
+        buf[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
+    dev = host.to(device, non_blocking=True) if pin else host
+    out: dict[str, torch.Tensor] = {}
+    for name, a, off in layout:
+        section = dev[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype])
+        out[name] = section.view(a.shape)
+    return out

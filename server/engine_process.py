@@ -1,0 +1,159 @@
+"""The engine core in a process of its own, driven over a pipe by the API server.
+
+The API process (HTTP, tokenization, detokenization, SSE) and the engine process
+(scheduler, model runner, sampler) each have their own interpreter, so HTTP streaming
+and detokenization never hold the lock the engine loop needs, and the two run on two
+cores. Messages are pickled tuples:
+
+- to the engine: ``("add", request_id, prompt_ids, params, arrival_time)``,
+  ``("abort", request_id)``, ``("finish", request_id, index)`` (a stop string ended that
+  sample), ``("shutdown",)``.
+- from the engine: ``("ready", info)`` or ``("failed", message)`` once, after loading;
+  then ``("step", updates, stats, now, added)`` after every step,
+  ``("stats", stats, now, added)`` about once a second when idle,
+  ``("error", request_ids, message)`` when a step failed (those requests are dropped),
+  ``("refused", request_id, message)`` for an add the engine could not queue.
+  ``added`` counts the sequences queued since the previous message.
+
+The process ignores SIGINT and SIGTERM (the API process drains, then stops it) and dies
+with its parent (``PR_SET_PDEATHSIG`` on Linux; a closed pipe elsewhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvscale.server.config import EngineConfig
+from kvscale.server.engine.engine_core import EngineCore
+from kvscale.server.model_config import ModelConfig
+
+log = logging.getLogger("kvscale.engine")
+
+IDLE_WAIT_S = 1.0  # an idle engine reports its stats (its heartbeat) this often (seconds)
+
+
+class CoreLoop:
+    """Runs an EngineCore for the commands arriving on ``conn`` until told to stop or
+    the pipe closes. Exceptions of a step fail the requests in flight; the loop goes on."""
+
+    def __init__(self, core: EngineCore, conn: Connection) -> None:
+        self.core = core
+        self.conn = conn
+        self.num_step_errors = 0
+        self._added = 0
+        self._stop = False
+
+    def run(self) -> None:
+        core, conn = self.core, self.conn
+        last_report = time.monotonic()
+        try:
+            while not self._stop:
+                if not core.has_work() and not conn.poll(IDLE_WAIT_S):
+                    self._send(("stats", core.stats(), time.monotonic(), self._take_added()))
+                    last_report = time.monotonic()
+                    continue
+                while conn.poll(0):
+                    self._handle(conn.recv())
+                    if self._stop:
+                        return
+                if core.has_work():
+                    self._step()
+                    last_report = time.monotonic()
+                elif time.monotonic() - last_report > IDLE_WAIT_S:
+                    self._send(("stats", core.stats(), time.monotonic(), self._take_added()))
+                    last_report = time.monotonic()
+        except (EOFError, OSError):  # the API process is gone
+            log.info("engine pipe closed; stopping")
+
+    def _take_added(self) -> int:
+        n, self._added = self._added, 0
+        return n
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        self.conn.send(msg)
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt_ids, params, arrival = msg
+            try:
+                self.core.add_request(rid, prompt_ids, params, arrival)
+                self._added += params.n
+            except Exception as e:  # the API process validates first: this is rare
+                log.exception("cannot queue request %s", rid)
+                self._send(("refused", rid, f"{type(e).__name__}: {e}"))
+        elif kind == "abort":
+            self.core.abort_request(msg[1])
+        elif kind == "finish":
+            self.core.finish_sequence(msg[1], msg[2])
+        elif kind == "shutdown":
+            self._stop = True
+        else:
+            log.error("unknown engine command %r", kind)
+
+    def _step(self) -> None:
+        core = self.core
+        try:
+            updates = core.step()
+        except Exception as e:
+            self.num_step_errors += 1
+            log.exception("engine step failed; failing the requests in flight")
+            rids = core.abort_all()
+            self._send(("error", rids, f"engine step failed: {e}"))
+            return
+        self._send(("step", updates, core.stats(), time.monotonic(), self._take_added()))
+
+
+def _die_with_parent() -> None:
+    """Asks Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def run_engine_process(
+    config: EngineConfig,
+    eos_token_ids: set[int],
+    max_model_len: int,
+    conn: Connection,
+    log_level: str = "INFO",
+) -> None:
+    """The engine process's entry point: loads the model, reports, then serves ``conn``."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        model_config = ModelConfig.from_path(config.model)
+        core = EngineCore(config, model_config, eos_token_ids, max_model_len)
+    except BaseException as e:
+        try:
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        return
+    info = {
+        "architecture": model_config.architecture,
+        "device": str(core.device),
+        "dtype": str(core.dtype).removeprefix("torch."),
+        "num_kv_blocks": core.block_manager.num_blocks,
+        "block_size": config.block_size,
+        "stats": core.stats(),
+    }
+    try:
+        conn.send(("ready", info))
+    except OSError:
+        return
+    CoreLoop(core, conn).run()
