@@ -6,6 +6,12 @@ input length is exact; ``ignore_eos`` so the output length is exactly as asked) 
 ``--max-concurrency`` in flight, and reports throughput and TTFT / TPOT / ITL / E2E
 latency (mean, median, p99) like vLLM's ``benchmark_serving``, on stdout and as JSON.
 
+``--tokenizer`` sends text instead: prompts made of whole-word tokens of that tokenizer,
+which it encodes back to exactly the same ids (BOS first), so the input lengths stay
+exact for any server that tokenizes with it. ``--backend transformers`` talks to
+``transformers serve`` (text prompts only; no ``ignore_eos``: a generation config with no
+EOS instead).
+
 Datasets: ``random`` (fixed lengths, optionally spread by ``--range-ratio``) and
 ``sharegpt-like``: input and output lengths drawn from seeded log-normal distributions
 with ShareGPT's published means (about 200 input and 180 output tokens), since no
@@ -20,6 +26,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +44,7 @@ TOKEN_ID_RANGE = (100, 5000)  # prompt token ids are drawn from here (valid in a
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
+    prompt_text: str | None = None  # sent instead of the ids when set
 
 
 @dataclass
@@ -102,6 +110,44 @@ def make_requests(lengths: list[tuple[int, int]], seed: int) -> list[BenchReques
     rng = random.Random(seed + 1)
     lo, hi = TOKEN_ID_RANGE
     return [BenchRequest([rng.randrange(lo, hi) for _ in range(i)], o) for i, o in lengths]
+
+
+def word_pool(tokenizer_json: str) -> list[tuple[int, str]]:
+    """``(id, word)`` of the tokenizer's whole-word tokens (a word boundary marker and
+    two or more lowercase letters) with ids in TOKEN_ID_RANGE."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    lo, hi = TOKEN_ID_RANGE
+    pool = []
+    for i in range(lo, hi):
+        piece = tok.id_to_token(i) or ""
+        if piece[:1] in ("\u2581", "\u0120") and re.fullmatch(r"[a-z]{2,}", piece[1:]):
+            pool.append((i, piece[1:]))
+    if len(pool) < 100:
+        raise ValueError(f"{tokenizer_json}: too few whole-word tokens ({len(pool)}) for prompts")
+    return pool
+
+
+def make_text_requests(
+    lengths: list[tuple[int, int]], seed: int, tokenizer_json: str
+) -> list[BenchRequest]:
+    """Text prompts that ``tokenizer_json`` encodes to exactly ``input_len`` ids (BOS plus
+    one id per word); raises ValueError if it does not for some prompt."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    pool = word_pool(tokenizer_json)
+    rng = random.Random(seed + 1)
+    out = []
+    for i, o in lengths:
+        words = [rng.choice(pool) for _ in range(max(1, i - 1))]
+        text = " ".join(w for _, w in words)
+        ids = tok.encode(text).ids
+        if ids[1:] != [t for t, _ in words]:
+            raise ValueError(f"{tokenizer_json} does not encode the prompt words back exactly")
+        out.append(BenchRequest(ids, o, text))
+    return out
 
 
 def arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
@@ -205,19 +251,42 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def send_request(
-    client: Any, base_url: str, model: str, req: BenchRequest, api_key: str | None
-) -> RequestResult:
-    """One streaming completion; times the chunks as they arrive."""
-    body = {
+def request_body(model: str, req: BenchRequest, backend: str) -> dict[str, Any]:
+    """The JSON body of one streaming completion for ``backend``."""
+    prompt: Any = req.prompt_text if req.prompt_text is not None else req.prompt_token_ids
+    if backend == "transformers":
+        if req.prompt_text is None:
+            raise ValueError("--backend transformers takes text prompts: pass --tokenizer")
+        gen = {"do_sample": False, "max_new_tokens": req.output_len, "eos_token_id": -1}
+        return {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": req.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "generation_config": json.dumps(gen),
+        }
+    return {
         "model": model,
-        "prompt": req.prompt_token_ids,
+        "prompt": prompt,
         "max_tokens": req.output_len,
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def send_request(
+    client: Any,
+    base_url: str,
+    model: str,
+    req: BenchRequest,
+    api_key: str | None,
+    backend: str = "kvscale",
+) -> RequestResult:
+    """One streaming completion; times the chunks as they arrive."""
+    body = request_body(model, req, backend)
     res = RequestResult(prompt_len=len(req.prompt_token_ids))
     chunks = 0
     start = last = time.perf_counter()
@@ -236,18 +305,21 @@ async def send_request(
                     break
                 obj = json.loads(data)
                 if "error" in obj:
-                    res.error = str(obj["error"].get("message", obj["error"]))
+                    err = obj["error"]
+                    res.error = str(err.get("message", err) if isinstance(err, dict) else err)
                     return res
                 now = time.perf_counter()
-                if obj.get("choices"):
+                if any(c.get("text") for c in obj.get("choices") or ()):
                     if chunks == 0:
                         res.ttft = now - start
                     else:
                         res.itl.append(now - last)
                     chunks += 1
                     last = now
-                if obj.get("usage"):
-                    res.output_tokens = int(obj["usage"].get("completion_tokens", 0))
+                usage = obj.get("usage")
+                if usage:
+                    res.output_tokens = int(usage.get("completion_tokens", 0))
+                    res.prompt_len = int(usage.get("prompt_tokens", res.prompt_len))
         res.latency = time.perf_counter() - start
         if not res.output_tokens:
             res.output_tokens = chunks
@@ -259,11 +331,20 @@ async def send_request(
     return res
 
 
-async def _server_model(client: Any, base_url: str, api_key: str | None) -> tuple[str, int | None]:
-    resp = await client.get(f"{base_url}/v1/models", headers=_headers(api_key))
-    resp.raise_for_status()
-    card = resp.json()["data"][0]
-    return card["id"], card.get("max_model_len")
+async def _server_model(
+    client: Any, base_url: str, api_key: str | None, model: str | None
+) -> tuple[str, int | None]:
+    """The model name and context length from ``/v1/models``; with ``model`` given, a
+    server whose listing fails is still benchmarked (context length unknown)."""
+    try:
+        resp = await client.get(f"{base_url}/v1/models", headers=_headers(api_key))
+        resp.raise_for_status()
+        card = resp.json()["data"][0]
+    except Exception:
+        if model is None:
+            raise
+        return model, None
+    return model or card["id"], card.get("max_model_len")
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -277,8 +358,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model, max_model_len = await _server_model(client, base_url, api_key)
-        model = args.model or model
+        model, max_model_len = await _server_model(client, base_url, api_key, args.model)
         lengths = sample_lengths(
             args.dataset,
             args.num_prompts,
@@ -288,14 +368,17 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             args.range_ratio,
             max_model_len,
         )
-        requests = make_requests(lengths, args.seed)
+        if args.tokenizer:
+            requests = make_text_requests(lengths, args.seed, _tokenizer_json(args.tokenizer))
+        else:
+            requests = make_requests(lengths, args.seed)
         delays = arrival_delays(len(requests), args.request_rate, args.seed)
         sem = asyncio.Semaphore(conc)
         bar = tqdm(total=len(requests), disable=args.disable_tqdm, file=sys.stderr, unit="req")
 
         async def one(req: BenchRequest) -> RequestResult:
             async with sem:
-                r = await send_request(client, base_url, model, req, api_key)
+                r = await send_request(client, base_url, model, req, api_key, args.backend)
             bar.update(1)
             return r
 
@@ -320,8 +403,15 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len,
         "range_ratio": args.range_ratio,
         "seed": args.seed,
+        "backend": args.backend,
+        "prompts": "text" if args.tokenizer else "token ids",
     }
     return summary
+
+
+def _tokenizer_json(path: str) -> str:
+    """``path`` itself, or the tokenizer.json inside a checkpoint folder."""
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -359,6 +449,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--result-file", default="bench-serve-result.json", help="results as JSON go here" + d
     )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s" + d)
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json (or a checkpoint folder): send text prompts that it encodes "
+        "to exactly the sampled lengths (default: token-id prompts)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["kvscale", "transformers"],
+        default="kvscale",
+        help="kvscale (or any vLLM-compatible server) | transformers (transformers serve; "
+        "needs --tokenizer)" + d,
+    )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -385,7 +488,9 @@ __all__ = [
     "format_summary",
     "main",
     "make_requests",
+    "make_text_requests",
     "percentile",
+    "request_body",
     "sample_lengths",
     "summarize",
 ]

@@ -98,3 +98,51 @@ def test_torch_compile_with_cuda_graphs_matches_eager(
     eager, _ = _run(path, "triton", "float32", enforce_eager=True, **STRESS)
     compiled, _ = _run(path, "triton", "float32", compile=True, cuda_graph_max_batch=16, **STRESS)
     assert compiled == eager
+
+
+def test_steps_launch_without_a_device_sync(checkpoint_factory: Callable[..., Path]) -> None:
+    """Preparing and launching a step never waits for the GPU (CUDA sync debug mode turns
+    any implicit sync into an error): greedy and sampled rows, top-k/top-p/min-p,
+    penalties, seeds, logprobs and min_tokens, in graph-replayed and eager steps."""
+    path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=16,
+        cuda_graph_max_batch=8,
+        max_model_len=256,
+    )
+    eng = llm.engine
+    mixed = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, max_tokens=20, ignore_eos=True, seed=7
+        ),
+        SamplingParams(
+            temperature=1.0,
+            repetition_penalty=1.2,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            max_tokens=20,
+            ignore_eos=True,
+        ),
+        SamplingParams(temperature=0.5, logprobs=3, min_tokens=5, max_tokens=20),
+    ]
+    llm.generate(PROMPTS[:4], mixed)  # warm-up: kernel compilation may sync
+    launch = eng.runner.launch
+    graph_steps = []
+
+    def strict_launch(batch, banned):  # type: ignore[no-untyped-def]
+        graph_steps.append(all(n == 1 for n in batch.num_new_tokens))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(batch, banned)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    eng.runner.launch = strict_launch  # type: ignore[method-assign]
+    outs = llm.generate(PROMPTS[:12], [mixed[i % 4] for i in range(12)])
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    assert all(n == 20 if i % 4 < 3 else 5 <= n <= 20 for i, n in enumerate(lens))
+    assert any(graph_steps) and not all(graph_steps)

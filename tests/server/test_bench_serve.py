@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +14,9 @@ from kvscale.bench_serve import (
     arrival_delays,
     format_summary,
     make_requests,
+    make_text_requests,
     percentile,
+    request_body,
     sample_lengths,
     summarize,
 )
@@ -96,3 +100,29 @@ def test_summary_math_and_table() -> None:
         "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "P99 E2EL (ms):",
     ):  # fmt: skip
         assert label in table, label
+
+
+def test_text_prompts_encode_back_to_exact_lengths(llama_ckpt: Path) -> None:
+    from tokenizers import Tokenizer
+
+    path = str(llama_ckpt / "tokenizer.json")
+    lengths = sample_lengths("sharegpt-like", 40, 0, 0, seed=5)
+    reqs = make_text_requests(lengths, seed=5, tokenizer_json=path)
+    tok = Tokenizer.from_file(path)
+    for (i, o), r in zip(lengths, reqs, strict=True):
+        assert r.prompt_text is not None and r.output_len == o
+        assert tok.encode(r.prompt_text).ids == r.prompt_token_ids and len(r.prompt_token_ids) == i
+
+
+def test_request_bodies_per_backend() -> None:
+    req = make_requests([(4, 9)], seed=0)[0]
+    ours = request_body("m", req, "kvscale")
+    assert ours["prompt"] == req.prompt_token_ids and ours["ignore_eos"] is True
+    assert ours["max_tokens"] == 9 and ours["stream_options"] == {"include_usage": True}
+    with pytest.raises(ValueError, match="text prompts"):
+        request_body("m", req, "transformers")
+    req.prompt_text = "hello there"
+    peer = request_body("m", req, "transformers")
+    assert peer["prompt"] == "hello there" and "ignore_eos" not in peer
+    gen = json.loads(peer["generation_config"])
+    assert gen == {"do_sample": False, "max_new_tokens": 9, "eos_token_id": -1}

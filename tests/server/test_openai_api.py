@@ -14,6 +14,8 @@ import httpx
 import openai
 import pytest
 
+from kvscale.bench_serve import sample_lengths
+
 from .conftest import ServerProcess, metric
 
 KEY = "test-key"
@@ -446,3 +448,23 @@ def test_bench_serve_against_the_server(server: ServerProcess, tmp_path: Path) -
     assert res["mean_ttft_ms"] > 0 and res["p99_e2el_ms"] >= res["median_e2el_ms"] > 0
     assert res["mean_tpot_ms"] > 0 and res["output_throughput"] > 0
     assert res["config"]["model"] == "tiny"
+
+
+def test_bench_serve_text_prompts_keep_exact_lengths(
+    server: ServerProcess, llama_ckpt: Path, tmp_path: Path
+) -> None:
+    from kvscale.cli import build_parser
+
+    out = tmp_path / "bench-text.json"
+    argv = [
+        "bench", "serve", "--base-url", server.url, "--api-key", KEY,
+        "--num-prompts", "6", "--dataset", "sharegpt-like", "--tokenizer", str(llama_ckpt),
+        "--max-concurrency", "3", "--seed", "2", "--result-file", str(out), "--disable-tqdm",
+    ]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    res = json.loads(out.read_text())
+    lengths = sample_lengths("sharegpt-like", 6, 0, 0, seed=2, max_model_len=MAX_MODEL_LEN)
+    assert res["failed_requests"] == 0 and res["config"]["prompts"] == "text"
+    assert res["total_input_tokens"] == sum(i for i, _ in lengths)  # counted by the server
+    assert res["total_output_tokens"] == sum(o for _, o in lengths)
