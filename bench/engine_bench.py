@@ -5,15 +5,25 @@ loaded through the engine's real loader (and by transformers for the peer). Work
 
 - C, batch-1 latency: a 128-token prompt, 256 output tokens; time per output token
   (TPOT) and time to first token. Peer: ``generate`` (eager, sdpa).
-- A, offline throughput: 256 requests of 512 input / 256 output tokens (ignore EOS);
-  output tokens/s. Peer: ``generate_batch`` (``--peer-throughput``; it takes ~2 minutes).
+- A, offline throughput: 256 requests of 512 input / 256 output tokens (ignore EOS).
+  Peer: ``generate_batch`` (continuous batching, paged attention).
+- B, offline throughput: 1,000 requests with the bench client's seeded ShareGPT-like
+  lengths. Peer: ``generate_batch``.
+- D, serving: ``kvscale serve`` under ``kvscale bench serve`` (ShareGPT-like lengths,
+  text prompts that both servers tokenize to the same ids) at each concurrency. Peer:
+  ``transformers serve --continuous-batching`` under the same client and prompts.
 
-Each figure is printed next to the peer's and to the roofline bound computed from the
-ceilings measured in the same run (copy bandwidth, bf16 matmul rate).
+Each phase writes ``<out-dir>/phase_<name>.json`` as soon as it is done, and a phase whose
+file exists is skipped (``--force`` reruns it), so a run can be resumed; ``--report``
+assembles ``engine.json``, ``engine.md`` and ``serving.png`` from the phase files: each
+figure next to the peer's, their ratio, and the roofline bound computed from the ceilings
+measured in the same run (weights and KV bytes over copy bandwidth, FLOPs over the bf16
+matmul rate).
 
-    python bench/engine_bench.py --out-dir bench/results [--peer-throughput] [--enforce-eager]
+    python bench/engine_bench.py --out-dir bench/results --phases all --report
 
-The arithmetic (parameter counts, bounds) and the table are plain functions tested on CPU.
+The arithmetic (parameter counts, bounds), the step summary and the report are plain
+functions tested on CPU.
 """
 
 from __future__ import annotations
@@ -22,9 +32,16 @@ import argparse
 import datetime as dt
 import gc
 import json
+import math
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
+import traceback
+import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +68,26 @@ LLAMA_31_8B: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
+MAX_MODEL_LEN = 2048
+MAX_NUM_SEQS = 256
+A_SHAPE = (256, 512, 256)  # requests, input tokens, output tokens
+B_REQUESTS = 1000
+C_SHAPE = (128, 256)  # prompt tokens, output tokens
+CONCURRENCIES = (1, 16, 64, 256)
+SEED = 0
+
+PHASES = (
+    "ceilings",
+    "ours",
+    "serve",
+    "peer-latency",
+    "peer-a",
+    "peer-serve",
+    "eager",
+    "compile",
+    "peer-b",
+)
+
 
 # ---------------------------------------------------------------- pure arithmetic
 def param_counts(cfg: dict[str, Any]) -> dict[str, int]:
@@ -71,45 +108,64 @@ def kv_bytes_per_token(cfg: dict[str, Any], elem_bytes: int = 2) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * elem_bytes
 
 
+def weight_bytes_per_step(cfg: dict[str, Any], elem_bytes: int = 2) -> int:
+    """Every weight but the embedding table is read once per step."""
+    p = param_counts(cfg)
+    return (p["total"] - p["embed"]) * elem_bytes
+
+
 def decode_step_floor_s(
     cfg: dict[str, Any], context_tokens: int, copy_bytes_per_s: float, elem_bytes: int = 2
 ) -> float:
     """One decode step reads every weight but the embedding table once, plus the KV
     cache of all ``context_tokens`` (summed over the batch)."""
-    p = param_counts(cfg)
-    weight_bytes = (p["total"] - p["embed"]) * elem_bytes
-    return (weight_bytes + context_tokens * kv_bytes_per_token(cfg, elem_bytes)) / copy_bytes_per_s
+    kv = context_tokens * kv_bytes_per_token(cfg, elem_bytes)
+    return (weight_bytes_per_step(cfg, elem_bytes) + kv) / copy_bytes_per_s
 
 
 def throughput_bound(
     cfg: dict[str, Any],
-    num_requests: int,
-    input_len: int,
-    output_len: int,
+    lengths: list[tuple[int, int]],
+    max_batch: int,
     copy_bytes_per_s: float,
     flop_per_s: float,
 ) -> dict[str, float]:
-    """Roofline for an offline batch: the slower of compute (every token through every
-    matmul, attention included) and memory (``output_len`` decode steps of the whole
-    batch, each reading the weights and the batch's KV cache). Returns seconds and the
-    output tokens/s bound."""
+    """Roofline for an offline batch of ``(input, output)`` requests: the slower of
+    compute (every token through every matmul, causal attention included) and memory
+    (at least ``max(longest output, total output / max_batch)`` decode steps each reading
+    the weights, plus every generated token reading its context's KV once). Returns
+    seconds and the output tokens/s bound."""
     p = param_counts(cfg)
     h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    tokens = num_requests * (input_len + output_len)
-    linear = 2 * p["layers"] * tokens + 2 * p["lm_head"] * num_requests * output_len
-    # causal attention: each token attends to its prefix (QK^T and PV, 2 flops per MAC)
-    pairs = num_requests * sum(range(1, input_len + output_len + 1))
-    attention = 4 * pairs * h * n_layers
-    compute_s = (linear + attention) / flop_per_s
-    avg_ctx = num_requests * (input_len + output_len / 2)
-    memory_s = output_len * decode_step_floor_s(cfg, int(avg_ctx), copy_bytes_per_s)
+    total_out = sum(o for _, o in lengths)
+    tokens = sum(i + o for i, o in lengths)
+    linear = 2 * p["layers"] * tokens + 2 * p["lm_head"] * total_out
+    # causal attention: token t attends to t tokens (QK^T and PV, 2 flops per MAC)
+    pairs = sum((i + o) * (i + o + 1) // 2 for i, o in lengths)
+    compute_s = (linear + 4 * pairs * h * n_layers) / flop_per_s
+    steps = max(max(o for _, o in lengths), math.ceil(total_out / max_batch))
+    kv_reads = sum(i * o + o * (o + 1) // 2 for i, o in lengths)  # context tokens read
+    memory_s = (
+        steps * weight_bytes_per_step(cfg) + kv_reads * kv_bytes_per_token(cfg)
+    ) / copy_bytes_per_s
     bound_s = max(compute_s, memory_s)
     return {
         "compute_s": compute_s,
         "memory_s": memory_s,
         "bound_s": bound_s,
-        "output_tok_per_s": num_requests * output_len / bound_s,
+        "output_tok_per_s": total_out / bound_s,
     }
+
+
+def serving_bound(
+    cfg: dict[str, Any], lengths: list[tuple[int, int]], concurrency: int, copy_bytes_per_s: float
+) -> dict[str, float]:
+    """Decode floor with ``concurrency`` sequences at the mean context (mean input plus
+    half the mean output): the TPOT floor (ms) and the output tokens/s bound it allows."""
+    batch = min(concurrency, len(lengths))
+    ctx = statistics.fmean(i for i, _ in lengths) + statistics.fmean(o for _, o in lengths) / 2
+    step = decode_step_floor_s(cfg, int(batch * ctx), copy_bytes_per_s)
+    return {"tpot_ms": 1e3 * step, "output_tok_per_s": batch / step}
 
 
 @dataclass
@@ -148,9 +204,10 @@ def format_table(rows: list[Row]) -> str:
 
 
 def summarize_steps(steps: list[tuple[float, float, int, int]]) -> dict[str, Any]:
-    """Per-step ``(step_s, execute_s, decode_rows, prefill_tokens)`` -> where time went:
-    counts and mean times (ms) of pure-decode and mixed/prefill steps, and the mean host
-    time outside ``execute`` (scheduling, bookkeeping) per step."""
+    """Per-step ``(step_s, wait_s, decode_rows, prefill_tokens)`` of the batch each step
+    launched (``wait_s``: time blocked on the previous step's tokens, i.e. GPU time the
+    host could not hide) -> counts and mean times (ms) of pure-decode and mixed steps,
+    and the mean host time per step (step minus wait)."""
     decode = [x for x in steps if x[3] == 0]
     mixed = [x for x in steps if x[3] > 0]
 
@@ -161,40 +218,221 @@ def summarize_steps(steps: list[tuple[float, float, int, int]]) -> dict[str, Any
         "num_steps": len(steps),
         "decode_steps": len(decode),
         "decode_step_ms": mean_ms([x[0] for x in decode]),
-        "decode_execute_ms": mean_ms([x[1] for x in decode]),
+        "decode_wait_ms": mean_ms([x[1] for x in decode]),
         "decode_mean_batch": statistics.fmean(x[2] for x in decode) if decode else 0.0,
         "prefill_steps": len(mixed),
         "prefill_step_ms": mean_ms([x[0] for x in mixed]),
-        "host_outside_execute_ms": mean_ms([x[0] - x[1] for x in steps]),
+        "host_ms": mean_ms([x[0] - x[1] for x in steps]),
         "total_step_s": sum(x[0] for x in steps),
     }
 
 
+def b_lengths() -> list[tuple[int, int]]:
+    """Workload B's and D's request lengths: the bench client's seeded ShareGPT-like ones."""
+    from kvscale.bench_serve import sample_lengths
+
+    return sample_lengths("sharegpt-like", B_REQUESTS, 0, 0, SEED, max_model_len=MAX_MODEL_LEN)
+
+
+def serve_prompts(concurrency: int, peer: bool = False) -> int:
+    """Requests per concurrency level: twice the concurrency (16 at least); the peer's
+    batch-1 run takes 4 (its ~80 ms/token would take minutes for 16)."""
+    if peer and concurrency == 1:
+        return 4
+    return max(16, 2 * concurrency)
+
+
+def serve_lengths(concurrency: int, peer: bool = False) -> list[tuple[int, int]]:
+    from kvscale.bench_serve import sample_lengths
+
+    n = serve_prompts(concurrency, peer)
+    return sample_lengths("sharegpt-like", n, 0, 0, SEED, max_model_len=MAX_MODEL_LEN)
+
+
+def concurrency_levels(serve: dict[str, Any]) -> list[int]:
+    """The concurrencies a serving phase's results hold (keys "1", "16", ...)."""
+    return sorted(int(k) for k in serve if k.isdigit())
+
+
+def build_rows(res: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
+    """The report's rows (and the bounds used) from the phase results present."""
+    cfg = LLAMA_31_8B
+    rows: list[Row] = []
+    bounds: dict[str, Any] = {}
+    ceil = res.get("ceilings")
+    ours, peer_c = res.get("ours", {}), res.get("peer-latency", {})
+    copy_bps = ceil["copy"] * 1e9 if ceil else None
+    flops = ceil["matmul"] * 1e12 if ceil else None
+    if copy_bps and flops:
+        n, i, o = A_SHAPE
+        bounds["C_tpot_floor_ms"] = 1e3 * decode_step_floor_s(cfg, sum(C_SHAPE), copy_bps)
+        bounds["A"] = throughput_bound(cfg, [(i, o)] * n, MAX_NUM_SEQS, copy_bps, flops)
+        bounds["B"] = throughput_bound(cfg, b_lengths(), MAX_NUM_SEQS, copy_bps, flops)
+    if "latency" in ours:
+        rows.append(
+            Row(
+                "C batch-1 latency",
+                "TPOT (ms)",
+                ours["latency"]["tpot_ms"],
+                peer_c.get("tpot_ms"),
+                bounds.get("C_tpot_floor_ms"),
+                False,
+                "<= 7.0 ms",
+            )
+        )
+        for name, label in (("eager", "CUDA graphs off"), ("compile", "torch.compile on")):
+            v = res.get(name, {}).get("latency")
+            if v:
+                rows.append(
+                    Row(
+                        f"C, {label}",
+                        "TPOT (ms)",
+                        v["tpot_ms"],
+                        peer_c.get("tpot_ms"),
+                        bounds.get("C_tpot_floor_ms"),
+                        False,
+                        "",
+                    )
+                )
+        rows.append(
+            Row(
+                "C batch-1 latency",
+                "TTFT (ms)",
+                ours["latency"]["ttft_ms"],
+                peer_c.get("ttft_ms"),
+                None,
+                False,
+                "",
+            )
+        )
+    peer_a = res.get("peer-a", {}).get("output_tok_per_s")
+    if "A" in ours:
+        a_bound = bounds.get("A", {}).get("output_tok_per_s")
+        rows.append(
+            Row(
+                "A 256 x 512/256",
+                "output tok/s",
+                ours["A"]["output_tok_per_s"],
+                peer_a,
+                a_bound,
+                True,
+                ">= 6000 and >= 10x peer",
+            )
+        )
+        v = res.get("compile", {}).get("A")
+        if v:
+            rows.append(
+                Row(
+                    "A, torch.compile on",
+                    "output tok/s",
+                    v["output_tok_per_s"],
+                    peer_a,
+                    a_bound,
+                    True,
+                    "",
+                )
+            )
+    if "B" in ours:
+        rows.append(
+            Row(
+                f"B {B_REQUESTS} ShareGPT-like",
+                "output tok/s",
+                ours["B"]["output_tok_per_s"],
+                res.get("peer-b", {}).get("output_tok_per_s"),
+                bounds.get("B", {}).get("output_tok_per_s"),
+                True,
+                "",
+            )
+        )
+    serve, peer_serve = res.get("serve", {}), res.get("peer-serve", {})
+    for c in concurrency_levels(serve):
+        r, p = serve[str(c)], peer_serve.get(str(c), {})
+        sb = serving_bound(cfg, serve_lengths(c), c, copy_bps) if copy_bps else {}
+        bounds[f"D_c{c}"] = sb
+        target = "<= 12 ms, 0 failed" if c == 64 else ""
+        for metric, key, hib, bound, tgt in (
+            ("median TPOT (ms)", "median_tpot_ms", False, sb.get("tpot_ms"), target),
+            ("p99 TPOT (ms)", "p99_tpot_ms", False, sb.get("tpot_ms"), ""),
+            ("median TTFT (ms)", "median_ttft_ms", False, None, ""),
+            ("output tok/s", "output_throughput", True, sb.get("output_tok_per_s"), ""),
+        ):
+            rows.append(Row(f"D serve c={c}", metric, r[key], p.get(key), bound, hib, tgt))
+        failed = f"{r['failed_requests']} (peer {p.get('failed_requests', 'n/a')})"
+        rows.append(
+            Row(
+                f"D serve c={c}",
+                f"failed requests: {failed}",
+                r["failed_requests"],
+                None,
+                None,
+                False,
+                "",
+            )
+        )
+    return rows, bounds
+
+
+def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Markdown and JSON of a run's phase results."""
+    rows, bounds = build_rows(res)
+    meta = res.get("meta", {})
+    lines = ["# Engine benchmarks", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    if res.get("ceilings"):
+        c = res["ceilings"]
+        lines.append(
+            f"- ceilings (same run): copy {c['copy']:.0f} GB/s, bf16 matmul "
+            f"{c['matmul']:.0f} TFLOP/s"
+        )
+    lines += ["", format_table(rows), ""]
+    for w in ("A", "B"):
+        steps = res.get("ours", {}).get(w, {}).get("steps")
+        if steps:
+            lines.append(
+                f"- {w} steps: "
+                + ", ".join(
+                    f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in steps.items()
+                )
+            )
+    missing = [p for p in PHASES if p not in res]
+    if missing:
+        lines.append(f"- phases not run: {', '.join(missing)}")
+    doc = {"meta": meta, "bounds": bounds, "rows": [asdict(r) for r in rows], "phases": res}
+    return "\n".join(lines) + "\n", doc
+
+
 # ---------------------------------------------------------------- GPU runs
 def _instrument(eng: Any) -> list[tuple[float, float, int, int]]:
-    """Wraps the engine's step and the runner's execute with timers (adds ~1 us)."""
+    """Times each engine step and the wait for the previous step's tokens inside it."""
+    from kvscale.server.engine.model_runner import PendingStep
+
     steps: list[tuple[float, float, int, int]] = []
     last: dict[str, Any] = {}
-    execute, step = eng.runner.execute, eng.step
+    launch, step, result = eng.runner.launch, eng.step, PendingStep.result
 
-    def timed_execute(batch: Any, banned: Any) -> Any:
-        t0 = time.perf_counter()
-        out = execute(batch, banned)
-        last["exec"] = time.perf_counter() - t0
+    def timed_launch(batch: Any, banned: Any) -> Any:
         n = batch.num_new_tokens
         last["decode"] = sum(1 for x in n if x == 1)
         last["prefill"] = sum(x for x in n if x > 1)
+        return launch(batch, banned)
+
+    def timed_result(self: Any) -> Any:
+        t0 = time.perf_counter()
+        out = result(self)
+        last["wait"] = last.get("wait", 0.0) + time.perf_counter() - t0
         return out
 
     def timed_step() -> Any:
         t0 = time.perf_counter()
         last.clear()
         out = step()
-        if last:
-            steps.append((time.perf_counter() - t0, last["exec"], last["decode"], last["prefill"]))
+        if "decode" in last:
+            dt_s = time.perf_counter() - t0
+            steps.append((dt_s, last.get("wait", 0.0), last["decode"], last["prefill"]))
         return out
 
-    eng.runner.execute, eng.step = timed_execute, timed_step
+    eng.runner.launch, eng.step = timed_launch, timed_step
+    PendingStep.result = timed_result  # type: ignore[method-assign]
     return steps
 
 
@@ -205,77 +443,132 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[1, *torch.randint(3, 32000, (length - 1,), generator=g).tolist()] for _ in range(n)]
 
 
-def run_ours(ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _device() -> str:
     import torch
 
-    from kvscale.server import LLM, SamplingParams
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    t0 = time.perf_counter()
-    llm = LLM(
-        str(ckpt),
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=256,
-        enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=0.9,
-    )
-    load_s = time.perf_counter() - t0
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free_gpu() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _latency(llm: Any) -> dict[str, Any]:
+    """C: one warm-up then three timed batch-1 requests; medians."""
+    from kvscale.server import SamplingParams
+
     eng = llm.engine
-    res: dict[str, Any] = {"load_s": load_s, "kv_blocks": eng.block_manager.num_blocks}
-    # C: batch-1 latency
+    n_in, n_out = C_SHAPE
+    prompt = _prompts(1, n_in, 0)[0]
+    params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
     tpots, ttfts = [], []
-    prompt = _prompts(1, 128, 0)[0]
-    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     for i in range(4):
         eng.add_request(f"lat{i}", prompt, params)
         out = None
         while eng.has_unfinished_requests():
             for o in eng.step():
                 out = o
-        assert out is not None and len(out.outputs[0].token_ids) == 256
+        assert out is not None and len(out.outputs[0].token_ids) == n_out
         m = out.metrics
         if i == 0:
-            continue  # warm-up
+            continue
         ttfts.append(m["first_token_time"] - m["arrival_time"])
-        tpots.append((m["finished_time"] - m["first_token_time"]) / 255)
-    res["latency"] = {
+        tpots.append((m["finished_time"] - m["first_token_time"]) / (n_out - 1))
+    return {
         "tpot_ms": 1e3 * statistics.median(tpots),
         "ttft_ms": 1e3 * statistics.median(ttfts),
         "runs": len(tpots),
     }
-    # A: offline throughput
-    prompts = _prompts(256, 512, 1)
-    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+
+
+def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
+    """Offline throughput of the given requests (greedy, ignore EOS)."""
+    import torch
+
+    from kvscale.server import SamplingParams
+
+    eng = llm.engine
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     steps = _instrument(eng)
+    pre = eng.stats().num_preemptions
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    res["steps"] = summarize_steps(steps)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    res["throughput"] = {
+    assert n_out == sum(outputs), (n_out, sum(outputs))
+    n_in = sum(len(p) for p in prompts)
+    return {
         "wall_s": wall,
+        "requests": len(prompts),
+        "input_tokens": n_in,
         "output_tokens": n_out,
         "output_tok_per_s": n_out / wall,
-        "total_tok_per_s": (n_out + 256 * 512) / wall,
-        "preemptions": eng.stats().num_preemptions,
+        "total_tok_per_s": (n_out + n_in) / wall,
+        "requests_per_s": len(prompts) / wall,
+        "preemptions": eng.stats().num_preemptions - pre,
+        "steps": summarize_steps(steps),
     }
-    del llm, eng
-    gc.collect()
-    torch.cuda.empty_cache()
+
+
+def _llm(ckpt: Path, **kw: Any) -> Any:
+    from kvscale.server import LLM
+
+    return LLM(
+        str(ckpt),
+        dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        gpu_memory_utilization=0.9,
+        **kw,
+    )
+
+
+def phase_ours(ckpt: Path, workloads: str = "CAB", **kw: Any) -> dict[str, Any]:
+    from kvscale.bench_serve import make_requests
+
+    t0 = time.perf_counter()
+    llm = _llm(ckpt, **kw)
+    res: dict[str, Any] = {
+        "load_s": time.perf_counter() - t0,
+        "kv_blocks": llm.engine.block_manager.num_blocks,
+    }
+    if "C" in workloads:
+        res["latency"] = _latency(llm)
+    if "A" in workloads:
+        n, i, o = A_SHAPE
+        res["A"] = _offline(llm, _prompts(n, i, 1), [o] * n)
+    if "B" in workloads:
+        lengths = b_lengths()
+        reqs = make_requests(lengths, SEED)
+        res["B"] = _offline(llm, [r.prompt_token_ids for r in reqs], [o for _, o in lengths])
+    del llm
+    _free_gpu()
     return res
 
 
-def run_peer_latency(ckpt: Path) -> dict[str, Any]:
+def phase_peer_latency(ckpt: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(ckpt), dtype=torch.bfloat16, attn_implementation="sdpa"
     ).cuda()
-    prompt = torch.tensor([_prompts(1, 128, 0)[0]], device="cuda")
+    n_in, n_out = C_SHAPE
+    prompt = torch.tensor([_prompts(1, n_in, 0)[0]], device="cuda")
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def timed(n: int, model: Any = model) -> float:
@@ -287,153 +580,349 @@ def run_peer_latency(ckpt: Path) -> dict[str, Any]:
 
     timed(8)  # warm-up
     ttft = statistics.median(timed(1) for _ in range(3))
-    full = timed(256)
-    res = {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * (full - ttft) / 255}
+    full = timed(n_out)
+    res = {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * (full - ttft) / (n_out - 1)}
     del model, timed
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_gpu()
     return res
 
 
-def run_peer_throughput(ckpt: Path) -> dict[str, Any]:
-    """transformers' continuous-batching ``generate_batch`` (paged attention) on A."""
+def _peer_batch(ckpt: Path, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
+    """transformers' continuous batching (paged attention), the machinery of
+    ``generate_batch``, with each request's own ``max_new_tokens`` (``generate_batch``
+    takes one for all) and no EOS. Its set-up (cache sizing, CUDA graph warm-up) is
+    left out of the timing, as our engine's loading is."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     model = AutoModelForCausalLM.from_pretrained(
         str(ckpt), dtype=torch.bfloat16, attn_implementation="paged|sdpa"
-    ).cuda()
+    ).to(_device())
     cfg = GenerationConfig(
-        max_new_tokens=256, min_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0
+        max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0
     )
-    prompts = _prompts(256, 512, 1)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=cfg)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    n_out = sum(len(r.generated_tokens) for r in results.values())
-    del model, results
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"wall_s": wall, "output_tokens": n_out, "output_tok_per_s": n_out / wall}
+    hints = WorkloadHints(max(len(p) for p in prompts), max(outputs), len(prompts))
+    with model.continuous_batching_context_manager(
+        generation_config=cfg, block=True, timeout=30, workload_hints=hints
+    ) as manager:
+        _sync()
+        t0 = time.perf_counter()
+        for k, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+            manager.add_request(p, request_id=f"r{k}", max_new_tokens=o, eos_token_id=-1)
+        n_out = done = 0
+        while done < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"the peer stopped after {done} of {len(prompts)}")
+                continue
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"the peer failed request {result.request_id}")
+                n_out += len(result.generated_tokens)
+                done += 1
+        _sync()
+        wall = time.perf_counter() - t0
+    del model, manager
+    _free_gpu()
+    n_in = sum(len(p) for p in prompts)
+    return {
+        "wall_s": wall,
+        "output_tokens": n_out,
+        "expected_output_tokens": sum(outputs),
+        "output_tok_per_s": n_out / wall,
+        "total_tok_per_s": (n_out + n_in) / wall,
+        "requests_per_s": len(prompts) / wall,
+    }
 
 
-def run_serving(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dict[str, Any]:
-    """Workload D: ``kvscale serve`` under ``kvscale bench serve`` (ShareGPT-like lengths)."""
-    import os
-    import socket
-    import subprocess
-    import urllib.request
+def phase_peer_a(ckpt: Path) -> dict[str, Any]:
+    n, i, o = A_SHAPE
+    return _peer_batch(ckpt, _prompts(n, i, 1), [o] * n)
 
+
+def phase_peer_b(ckpt: Path) -> dict[str, Any]:
+    from kvscale.bench_serve import make_requests
+
+    lengths = b_lengths()
+    reqs = make_requests(lengths, SEED)
+    return _peer_batch(ckpt, [r.prompt_token_ids for r in reqs], [o for _, o in lengths])
+
+
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONSAFEPATH="1")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvscale.cli",
-            "serve",
-            "--model",
-            str(ckpt),
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            "2048",
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--disable-access-log",
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if urllib.request.urlopen(f"{base}/ready", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError(f"kvscale serve exited with {server.returncode}")
-            time.sleep(1)
-        else:
-            raise RuntimeError("kvscale serve did not become ready in 300 s")
-        results = {}
-        for c in concurrencies:
-            n = max(16, 2 * c)
-            path = out_dir / f"serve_c{c}.json"
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvscale.cli",
-                    "bench",
-                    "serve",
-                    "--base-url",
-                    base,
-                    "--dataset",
-                    "sharegpt-like",
-                    "--num-prompts",
-                    str(n),
-                    "--request-rate",
-                    "inf",
-                    "--max-concurrency",
-                    str(c),
-                    "--seed",
-                    "0",
-                    "--result-file",
-                    str(path),
-                    "--disable-tqdm",
-                ],
-                env=env,
-                check=True,
-                timeout=600,
-            )
-            results[c] = json.loads(path.read_text())
-            print(
-                f"serve c={c}: {results[c]['output_throughput']:.0f} tok/s, median TPOT "
-                f"{results[c]['median_tpot_ms']:.1f} ms, failed {results[c]['failed_requests']}",
-                flush=True,
-            )
-        return results
-    finally:
-        server.terminate()
+        return sock.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        time.sleep(1)
+    raise RuntimeError(f"{url} did not answer 200 in {timeout:.0f}s")
 
 
-def plot_serving(results: dict[int, dict[str, Any]], path: Path, title: str) -> None:
-    """Output throughput and median/p99 TPOT against concurrency, as a PNG."""
+def _run_client(
+    base: str, ckpt: Path, c: int, out_dir: Path, tag: str, backend: str, n: int, timeout: float
+) -> dict[str, Any]:
+    path = out_dir / f"serve_{tag}_c{c}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvscale.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        base,
+        "--model",
+        str(ckpt) if backend == "transformers" else "bench",
+        "--dataset",
+        "sharegpt-like",
+        "--tokenizer",
+        str(ckpt),
+        "--backend",
+        backend,
+        "--num-prompts",
+        str(n),
+        "--request-rate",
+        "inf",
+        "--max-concurrency",
+        str(c),
+        "--seed",
+        str(SEED),
+        "--result-file",
+        str(path),
+        "--disable-tqdm",
+    ]
+    subprocess.run(cmd, env=_env(), check=True, timeout=timeout)
+    r = json.loads(path.read_text())
+    print(
+        f"{tag} c={c}: {r['output_throughput']:.0f} tok/s, median TPOT "
+        f"{r['median_tpot_ms']:.1f} ms, median TTFT {r['median_ttft_ms']:.0f} ms, "
+        f"failed {r['failed_requests']}",
+        flush=True,
+    )
+    return r
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
+
+
+def _serve(
+    cmd: list[str],
+    ready_url: str,
+    clients: Callable[[], dict[str, Any]],
+    log_path: Path,
+    ready_timeout: float = 600,
+) -> dict[str, Any]:
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_http(ready_url, proc, ready_timeout)
+            return clients()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            _free_gpu()
+
+
+def phase_serve(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dict[str, Any]:
+    """D on kvscale serve (CUDA graphs on, defaults otherwise)."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvscale.cli",
+        "serve",
+        "--model",
+        str(ckpt),
+        "--served-model-name",
+        "bench",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-access-log",
+        "--log-level",
+        "warning",
+    ]
+
+    def clients() -> dict[str, Any]:
+        return {
+            str(c): _run_client(base, ckpt, c, out_dir, "kvscale", "kvscale", serve_prompts(c), 600)
+            for c in concurrencies
+        }
+
+    res = _serve(cmd, f"{base}/ready", clients, out_dir / "server_kvscale.log")
+    res["command"] = " ".join(cmd[1:])
+    return res
+
+
+def phase_peer_serve(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dict[str, Any]:
+    """D on ``transformers serve --continuous-batching`` (its defaults otherwise)."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    exe = Path(sys.executable).with_name("transformers")
+    cmd = [
+        str(exe) if exe.exists() else "transformers",
+        "serve",
+        str(ckpt),
+        "--continuous-batching",
+        "--dtype",
+        "bfloat16",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+
+    def clients() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        # first request loads the CB manager (and compiles nothing we time)
+        _run_client(base, ckpt, 1, out_dir, "warmup", "transformers", 1, 600)
+        for c in concurrencies:
+            try:
+                out[str(c)] = _run_client(
+                    base,
+                    ckpt,
+                    c,
+                    out_dir,
+                    "transformers",
+                    "transformers",
+                    serve_prompts(c, peer=True),
+                    900,
+                )
+            except (subprocess.SubprocessError, OSError) as e:
+                print(f"peer serve c={c} failed: {e!r}", flush=True)
+                out[str(c)] = {"error": repr(e)}
+        return out
+
+    res = _serve(cmd, f"{base}/health", clients, out_dir / "server_transformers.log")
+    res = {k: v for k, v in res.items() if "error" not in v}
+    res["command"] = " ".join(cmd[1:])
+    return res
+
+
+def phase_ceilings() -> dict[str, float]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernels import Bench  # bench/kernels.py
+
+    return Bench(quick=False).ceilings()
+
+
+def run_meta() -> dict[str, Any]:
+    import platform
+
+    import torch
+    import transformers
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "params": param_counts(LLAMA_31_8B)["total"],
+    }
+
+
+def ensure_checkpoint(ckpt: Path) -> None:
+    """Writes the random 8B-shaped checkpoint (on the GPU, ~16 GB) unless it exists."""
+    if (ckpt / "model.safetensors.index.json").is_file():
+        return
+    from kvscale.server.demo_model import write_random_checkpoint
+
+    t0 = time.perf_counter()
+    write_random_checkpoint(ckpt, "llama", LLAMA_31_8B, dtype="bfloat16", device="cuda")
+    print(f"wrote the 8B-shaped checkpoint in {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+def load_results(out_dir: Path) -> dict[str, Any]:
+    res = {}
+    for path in sorted(out_dir.glob("phase_*.json")):
+        res[path.stem.removeprefix("phase_")] = json.loads(path.read_text())
+    return res
+
+
+def plot_serving(res: dict[str, Any], path: Path, title: str) -> None:
+    """Output throughput and median/p99 TPOT against concurrency, ours and the peer's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cs = sorted(results)
+    serve, peer = res.get("serve", {}), res.get("peer-serve", {})
+    cs = concurrency_levels(serve)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(cs, [results[c]["output_throughput"] for c in cs], "o-")
-    a.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput")
-    b.plot(cs, [results[c]["median_tpot_ms"] for c in cs], "o-", label="median")
-    b.plot(cs, [results[c]["p99_tpot_ms"] for c in cs], "s--", label="p99")
-    b.set(xscale="log", xlabel="concurrency", ylabel="ms", title="time per output token")
-    b.legend()
+    for data, name, style in ((serve, "kvscale", "o-"), (peer, "transformers serve", "s-")):
+        xs = [c for c in cs if str(c) in data]
+        if not xs:
+            continue
+        a.plot(xs, [data[str(c)]["output_throughput"] for c in xs], style, label=name)
+        b.plot(xs, [data[str(c)]["median_tpot_ms"] for c in xs], style, label=f"{name} median")
+        b.plot(xs, [data[str(c)]["p99_tpot_ms"] for c in xs], style[0] + ":", label=f"{name} p99")
+    ceil = res.get("ceilings")
+    if ceil and cs:
+        bnds = [serving_bound(LLAMA_31_8B, serve_lengths(c), c, ceil["copy"] * 1e9) for c in cs]
+        a.plot(cs, [x["output_tok_per_s"] for x in bnds], "k--", lw=1, label="decode bound")
+        b.plot(cs, [x["tpot_ms"] for x in bnds], "k--", lw=1, label="decode floor")
+    a.set(
+        xscale="log",
+        yscale="log",
+        xlabel="concurrency",
+        ylabel="output tokens/s",
+        title="throughput",
+    )
+    b.set(
+        xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="time per output token"
+    )
     for ax in (a, b):
         ax.set_xticks(cs, [str(c) for c in cs])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def report(out_dir: Path) -> str:
+    res = load_results(out_dir)
+    text, doc = render_report(res)
+    (out_dir / "engine.md").write_text(text)
+    (out_dir / "engine.json").write_text(json.dumps(doc, indent=2))
+    if res.get("serve"):
+        meta = res.get("meta", {})
+        plot_serving(
+            res,
+            out_dir / "serving.png",
+            f"Llama-3.1-8B shapes, bf16, {meta.get('gpu')}, {meta.get('date')}",
+        )
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,140 +930,59 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default="bench/results")
     ap.add_argument("--ckpt", default="/tmp/llama31-8b-random")
     ap.add_argument(
-        "--peer-throughput",
-        action="store_true",
-        help="also run transformers' generate_batch on workload A (~2 min)",
+        "--phases",
+        default="all",
+        help=f"comma list of {', '.join(PHASES)}; or all; ckpt only writes the checkpoint",
     )
-    ap.add_argument("--no-peer", action="store_true", help="skip the peer entirely")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--serve", default="", help="workload D concurrencies, e.g. 1,16,64,256")
+    ap.add_argument("--force", action="store_true", help="rerun phases that have results")
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
+    ap.add_argument("--report", action="store_true", help="write engine.md/.json and the plot")
     args = ap.parse_args(argv)
-
-    import torch
-    import transformers
-    import triton
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from kernels import Bench  # bench/kernels.py: the ceilings
-    from kvscale.server.demo_model import write_random_checkpoint
-
-    ckpt = Path(args.ckpt)
-    if not (ckpt / "model.safetensors.index.json").is_file():
-        t0 = time.perf_counter()
-        write_random_checkpoint(ckpt, "llama", LLAMA_31_8B, dtype="bfloat16", device="cuda")
-        print(f"wrote the 8B-shaped checkpoint in {time.perf_counter() - t0:.0f}s", flush=True)
-    bench = Bench(quick=False)
-    ceil = bench.ceilings()
-    copy_bps, flops = ceil["copy"] * 1e9, ceil["matmul"] * 1e12
-    print(f"ceilings: copy {ceil['copy']:.0f} GB/s, matmul {ceil['matmul']:.0f} TFLOP/s")
-    ours = run_ours(ckpt, args)
-    print("kvscale:", json.dumps(ours), flush=True)
-    peer: dict[str, Any] = {}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    serving: dict[int, dict[str, Any]] = {}
-    if args.serve:
-        try:
-            serving = run_serving(ckpt, out, [int(c) for c in args.serve.split(",")])
-        except (RuntimeError, OSError, ValueError) as e:  # report, keep the other workloads
-            print(f"workload D failed: {e!r}", flush=True)
-    if not args.no_peer:
-        peer["latency"] = run_peer_latency(ckpt)
-        print("peer:", json.dumps(peer), flush=True)
-    if args.peer_throughput:
-        peer["throughput"] = run_peer_throughput(ckpt)
-        print("peer:", json.dumps(peer), flush=True)
-    cfg = LLAMA_31_8B
-    floor_ms = 1e3 * decode_step_floor_s(cfg, 128 + 128, copy_bps)
-    bound_a = throughput_bound(cfg, 256, 512, 256, copy_bps, flops)
-    rows = [
-        Row(
-            "C batch-1 latency",
-            "TPOT (ms)",
-            ours["latency"]["tpot_ms"],
-            peer.get("latency", {}).get("tpot_ms"),
-            floor_ms,
-            False,
-            "<= 7.0 ms",
-        ),
-        Row(
-            "C batch-1 latency",
-            "TTFT (ms)",
-            ours["latency"]["ttft_ms"],
-            peer.get("latency", {}).get("ttft_ms"),
-            None,
-            False,
-            "",
-        ),
-        Row(
-            "A 256 x 512/256",
-            "output tok/s",
-            ours["throughput"]["output_tok_per_s"],
-            peer.get("throughput", {}).get("output_tok_per_s"),
-            bound_a["output_tok_per_s"],
-            True,
-            ">= 6000 and >= 10x peer",
-        ),
-    ]
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "cuda_graphs": not args.enforce_eager,
-        "params": param_counts(cfg)["total"],
+    phases = PHASES if args.phases == "all" else tuple(p for p in args.phases.split(",") if p)
+    unknown = set(phases) - {*PHASES, "ckpt"}
+    if unknown:
+        ap.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
+    ckpt = Path(args.ckpt)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    if phases:
+        ensure_checkpoint(ckpt)
+    if "ckpt" in phases:
+        phases = tuple(p for p in phases if p != "ckpt")
+    if phases and not (out / "phase_meta.json").exists():
+        (out / "phase_meta.json").write_text(json.dumps(run_meta()))
+    runners: dict[str, Callable[[], Any]] = {
+        "ceilings": phase_ceilings,
+        "ours": lambda: phase_ours(ckpt),
+        "serve": lambda: phase_serve(ckpt, out, conc),
+        "peer-latency": lambda: phase_peer_latency(ckpt),
+        "peer-a": lambda: phase_peer_a(ckpt),
+        "peer-b": lambda: phase_peer_b(ckpt),
+        "peer-serve": lambda: phase_peer_serve(ckpt, out, conc),
+        "eager": lambda: phase_ours(ckpt, "C", enforce_eager=True),
+        "compile": lambda: phase_ours(ckpt, "CA", compile=True),
     }
-    for c, r in sorted(serving.items()):
-        rows.append(
-            Row(
-                f"D serve c={c}",
-                "median TPOT (ms)",
-                r["median_tpot_ms"],
-                None,
-                None,
-                False,
-                "<= 12 ms at c=64" if c == 64 else "",
-            )
+    for name in phases:
+        path = out / f"phase_{name}.json"
+        if path.exists() and not args.force:
+            print(f"[{name}] done before; skipped", flush=True)
+            continue
+        t0 = time.perf_counter()
+        print(f"[{name}] running ...", flush=True)
+        try:
+            result = runners[name]()
+        except Exception as e:  # report, keep the other phases
+            traceback.print_exc()
+            print(f"[{name}] FAILED after {time.perf_counter() - t0:.0f}s: {e!r}", flush=True)
+            continue
+        path.write_text(json.dumps(result, indent=2))
+        print(
+            f"[{name}] done in {time.perf_counter() - t0:.0f}s: {json.dumps(result)[:400]}",
+            flush=True,
         )
-        rows.append(
-            Row(
-                f"D serve c={c}",
-                "output tok/s",
-                r["output_throughput"],
-                None,
-                None,
-                True,
-                f"failed {r['failed_requests']}",
-            )
-        )
-    table = format_table(rows)
-    print(table)
-    if serving:
-        plot_serving(
-            serving,
-            out / "serving.png",
-            f"kvscale serve, Llama-3.1-8B shapes, {meta['gpu']}, {meta['date']}",
-        )
-    (out / "engine.json").write_text(
-        json.dumps(
-            {
-                "meta": meta,
-                "ceilings": ceil,
-                "bounds": {"C_tpot_floor_ms": floor_ms, "A": bound_a},
-                "kvscale": ours,
-                "peer": peer,
-                "rows": [asdict(r) for r in rows],
-            },
-            indent=2,
-        )
-    )
-    header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
-    (out / "engine.md").write_text(
-        f"# Engine benchmarks\n\n{header}\n- ceilings: copy "
-        f"{ceil['copy']:.0f} GB/s, matmul {ceil['matmul']:.0f} "
-        f"TFLOP/s\n\n{table}\n"
-    )
+    if args.report:
+        print(report(out))
     return 0
 
 

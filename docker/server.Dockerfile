@@ -20,7 +20,7 @@ COPY kvscale /src/kvscale
 COPY server /src/server
 COPY kernels /src/kernels
 COPY operator /src/operator
-RUN pip install -c /tmp/constraints.txt "/src[demo]" fastapi uvicorn prometheus_client
+RUN pip install -c /tmp/constraints.txt "/src[demo,serve]"
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/venv /opt/venv

@@ -34,11 +34,41 @@ def test_batch1_floor_is_weights_over_bandwidth() -> None:
 
 
 def test_throughput_bound_takes_the_slower_limit() -> None:
-    b = eb.throughput_bound(eb.LLAMA_31_8B, 256, 512, 256, 3.0e12, 7.9e14)
+    cfg = eb.LLAMA_31_8B
+    b = eb.throughput_bound(cfg, [(512, 256)] * 256, 256, 3.0e12, 7.9e14)
     assert b["bound_s"] == max(b["compute_s"], b["memory_s"])
     assert b["output_tok_per_s"] == pytest.approx(256 * 256 / b["bound_s"])
-    fast_memory = eb.throughput_bound(eb.LLAMA_31_8B, 256, 512, 256, 3.0e15, 7.9e14)
+    # 256 decode steps, each reading the weights and the whole batch's KV at mean context
+    avg_ctx = 256 * (512 + 257 / 2)
+    assert b["memory_s"] == pytest.approx(256 * eb.decode_step_floor_s(cfg, avg_ctx, 3.0e12))
+    fast_memory = eb.throughput_bound(cfg, [(512, 256)] * 256, 256, 3.0e15, 7.9e14)
     assert fast_memory["bound_s"] == pytest.approx(fast_memory["compute_s"])
+
+
+def test_throughput_bound_counts_steps_beyond_one_batch() -> None:
+    cfg = eb.LLAMA_31_8B
+    one = eb.throughput_bound(cfg, [(10, 100)] * 256, 256, 3.0e12, 7.9e14)
+    two = eb.throughput_bound(cfg, [(10, 100)] * 512, 256, 3.0e12, 7.9e14)
+    w = eb.weight_bytes_per_step(cfg) / 3.0e12
+    assert two["memory_s"] - 2 * one["memory_s"] == pytest.approx(0, abs=1e-9)
+    assert one["memory_s"] > 100 * w  # 100 steps of weights plus KV reads
+    mixed = eb.throughput_bound(cfg, [(10, 1000), (10, 1)], 256, 3.0e12, 7.9e14)
+    assert mixed["memory_s"] > 1000 * w  # the longest output sets the step count
+
+
+def test_serving_bound_is_the_decode_floor_at_the_concurrency() -> None:
+    cfg = eb.LLAMA_31_8B
+    lengths = [(200, 100), (400, 300)]
+    one = eb.serving_bound(cfg, lengths, 1, 3.0e12)
+    assert one["tpot_ms"] == pytest.approx(1e3 * eb.decode_step_floor_s(cfg, 300 + 100, 3.0e12))
+    assert one["output_tok_per_s"] == pytest.approx(1e3 / one["tpot_ms"])
+    many = eb.serving_bound(cfg, lengths, 64, 3.0e12)  # at most the 2 requests run
+    assert many["output_tok_per_s"] == pytest.approx(2e3 / many["tpot_ms"])
+
+
+def test_serve_prompt_counts() -> None:
+    assert [eb.serve_prompts(c) for c in (1, 16, 64, 256)] == [16, 32, 128, 512]
+    assert eb.serve_prompts(1, peer=True) == 4 and eb.serve_prompts(64, peer=True) == 128
 
 
 def test_table_ratios_and_fractions() -> None:
@@ -57,6 +87,62 @@ def test_step_summary_splits_decode_and_prefill_steps() -> None:
     s = eb.summarize_steps([(0.02, 0.015, 256, 0), (0.02, 0.017, 256, 0), (0.2, 0.19, 16, 8000)])
     assert s["decode_steps"] == 2 and s["prefill_steps"] == 1
     assert s["decode_step_ms"] == pytest.approx(20.0)
-    assert s["decode_execute_ms"] == pytest.approx(16.0)
-    assert s["host_outside_execute_ms"] == pytest.approx((5 + 3 + 10) / 3)
+    assert s["decode_wait_ms"] == pytest.approx(16.0)
+    assert s["host_ms"] == pytest.approx((5 + 3 + 10) / 3)
     assert eb.summarize_steps([])["decode_step_ms"] == 0.0
+
+
+def _serve_result(tpot: float, tok_s: float, failed: int = 0) -> dict:
+    return {
+        "median_tpot_ms": tpot,
+        "p99_tpot_ms": 2 * tpot,
+        "median_ttft_ms": 50.0,
+        "output_throughput": tok_s,
+        "failed_requests": failed,
+    }
+
+
+def test_report_from_partial_phase_results() -> None:
+    res = {
+        "meta": {"gpu": "H100", "date": "2026-11-22"},
+        "ceilings": {"copy": 3000.0, "matmul": 700.0},
+        "ours": {
+            "latency": {"tpot_ms": 6.0, "ttft_ms": 14.0},
+            "A": {"output_tok_per_s": 9000.0, "steps": {"num_steps": 300, "host_ms": 1.5}},
+        },
+        "peer-latency": {"tpot_ms": 84.0, "ttft_ms": 45.0},
+        "eager": {"latency": {"tpot_ms": 20.0, "ttft_ms": 30.0}},
+        "serve": {"64": _serve_result(10.0, 2500.0), "command": "serve ..."},
+        "peer-serve": {"64": _serve_result(100.0, 250.0, failed=1)},
+    }
+    text, doc = eb.render_report(res)
+    assert "| C batch-1 latency | TPOT (ms) | 6.00 | 84.00 | 14.00x |" in text
+    assert "| C, CUDA graphs off | TPOT (ms) | 20.00 | 84.00 | 4.20x |" in text
+    assert "| A 256 x 512/256 | output tok/s | 9000.00 | not run |" in text
+    assert "| D serve c=64 | median TPOT (ms) | 10.00 | 100.00 | 10.00x |" in text
+    assert "| D serve c=64 | output tok/s | 2500.00 | 250.00 | 10.00x |" in text
+    assert "failed requests: 0 (peer 1)" in text
+    assert "phases not run: peer-a, compile, peer-b" in text
+    assert "A steps: num_steps 300, host_ms 1.50" in text
+    floor = doc["bounds"]["C_tpot_floor_ms"]
+    assert floor == pytest.approx(1e3 * eb.decode_step_floor_s(eb.LLAMA_31_8B, 384, 3.0e12))
+    assert doc["bounds"]["D_c64"]["tpot_ms"] > floor
+    assert [r["workload"] for r in doc["rows"]].count("D serve c=64") == 5
+
+
+def test_report_files_from_a_results_folder(tmp_path: Path) -> None:
+    import json
+
+    (tmp_path / "phase_meta.json").write_text(json.dumps({"gpu": "H100", "date": "today"}))
+    (tmp_path / "phase_ceilings.json").write_text(json.dumps({"copy": 3000.0, "matmul": 700.0}))
+    serve = {str(c): _serve_result(6.0 + c / 16, 150.0 * c) for c in (1, 16, 64, 256)}
+    (tmp_path / "phase_serve.json").write_text(json.dumps(serve))
+    peer = {str(c): _serve_result(80.0, 12.0 * c) for c in (1, 16)}
+    (tmp_path / "phase_peer-serve.json").write_text(json.dumps(peer))
+    text = eb.report(tmp_path)
+    assert "| D serve c=16 | output tok/s | 2400.00 | 192.00 | 12.50x |" in text
+    assert (tmp_path / "engine.md").read_text() == text
+    doc = json.loads((tmp_path / "engine.json").read_text())
+    assert doc["meta"]["gpu"] == "H100" and doc["phases"]["serve"]["64"]["median_tpot_ms"] == 10.0
+    png = (tmp_path / "serving.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
