@@ -1,6 +1,11 @@
-"""Profiles one prefill step (16 prompts x 512 tokens) of the 8B-shaped model on CUDA and
-prints the GPU kernels that take the time (torch.profiler), to find what limits
-workload A. Uses (or writes) the checkpoint of bench/engine_bench.py.
+"""Where an engine step's time goes, on CUDA with the 8B-shaped checkpoint.
+
+1. A batch-1 request's first steps as a timeline: per ``step()`` call, the host time
+   spent launching and the time blocked on the previous step's tokens.
+2. torch.profiler over those steps: the CPU-side calls that take the time (a blocking
+   copy, a pinned allocation or a sync shows up here) and the top GPU kernels.
+3. Mixed prefill steps of six different token counts, each synchronized: a step far
+   slower than the others compiled a kernel variant inside the run.
 
     python bench/profile_step.py [--ckpt /tmp/llama31-8b-random]
 """
@@ -11,6 +16,44 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+
+def _timeline(eng: Any, steps: int) -> list[dict[str, float]]:
+    """Runs ``steps`` engine steps; per step: wall, launch and wait times (ms)."""
+    from kvscale.server.engine.model_runner import PendingStep
+
+    rows: list[dict[str, float]] = []
+    cur: dict[str, float] = {}
+    launch, result = eng.runner.launch, PendingStep.result
+
+    def timed_launch(batch: Any, banned: Any) -> Any:
+        t0 = time.perf_counter()
+        out = launch(batch, banned)
+        cur["launch_ms"] = 1e3 * (time.perf_counter() - t0)
+        cur["tokens"] = float(sum(batch.num_new_tokens))
+        return out
+
+    def timed_result(self: Any) -> Any:
+        t0 = time.perf_counter()
+        out = result(self)
+        cur["wait_ms"] = 1e3 * (time.perf_counter() - t0)
+        return out
+
+    eng.runner.launch = timed_launch
+    PendingStep.result = timed_result  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            cur.clear()
+            t0 = time.perf_counter()
+            outs = eng.step()
+            cur["step_ms"] = 1e3 * (time.perf_counter() - t0)
+            cur["outputs"] = float(len(outs))
+            rows.append(dict(cur))
+    finally:
+        eng.runner.launch = launch
+        PendingStep.result = result  # type: ignore[method-assign]
+    return rows
 
 
 def main() -> None:
@@ -21,38 +64,50 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_bench import LLAMA_31_8B, _prompts
+    from engine_bench import _prompts, ensure_checkpoint
 
     from kvscale.server import LLM, SamplingParams
-    from kvscale.server.demo_model import write_random_checkpoint
 
     ckpt = Path(args.ckpt)
-    if not (ckpt / "model.safetensors.index.json").is_file():
-        write_random_checkpoint(ckpt, "llama", LLAMA_31_8B, dtype="bfloat16", device="cuda")
-    llm = LLM(
-        str(ckpt),
-        dtype="bfloat16",
-        max_model_len=2048,
-        enforce_eager=True,
-        gpu_memory_utilization=0.85,
-    )
+    ensure_checkpoint(ckpt)
+    llm = LLM(str(ckpt), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.85)
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    llm.generate(_prompts(16, 512, 5), params)  # warm-up: compile every kernel variant
-    for i, p in enumerate(_prompts(16, 512, 6)):
-        eng.add_request(f"p{i}", p, params)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(_prompts(8, 512, 5), greedy)  # warm-up
+    llm.generate(_prompts(1, 128, 0), greedy)
+
+    print("== 1. batch-1 timeline (128-token prompt, 8 tokens)")
+    eng.add_request("c", _prompts(1, 128, 0)[0], greedy)
+    for i, r in enumerate(_timeline(eng, 5)):
+        print(f"step {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
+    while eng.has_unfinished_requests():
+        eng.step()
+
+    print("== 2. profiler over a batch-1 request's first 3 steps")
+    eng.add_request("p", _prompts(1, 128, 0)[0], greedy)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            eng.step()
+        torch.cuda.synchronize()
+    while eng.has_unfinished_requests():
+        eng.step()
+    avg = prof.key_averages()
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50))
+    print(avg.table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=50))
+
+    print("== 3. mixed prefill steps of different sizes (each synchronized)")
+    for k in range(6):
+        for i, p in enumerate(_prompts(4, 500 + 3 * k, 10 + k)):
+            eng.add_request(f"m{k}-{i}", p, SamplingParams(temperature=0, max_tokens=2))
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         eng.step()
         torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-    print(f"prefill step of {16 * 512} tokens: {dt * 1e3:.1f} ms")
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-    )
-    while eng.has_unfinished_requests():
-        eng.step()
+        ms = 1e3 * (time.perf_counter() - t0)
+        print(f"prefill step {k}: {4 * (500 + 3 * k)} tokens, {ms:.1f} ms")
+        while eng.has_unfinished_requests():
+            eng.step()
 
 
 if __name__ == "__main__":

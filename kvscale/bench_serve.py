@@ -29,6 +29,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,6 +252,20 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Lines of a server-sent event stream. Only CR and LF end a line there; readers that
+    split like str.splitlines (httpx's aiter_lines) also break on U+2028 and friends,
+    which a token's text may hold unescaped."""
+    buf = ""
+    async for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buf:
+        yield buf.rstrip("\r")
+
+
 def request_body(model: str, req: BenchRequest, backend: str) -> dict[str, Any]:
     """The JSON body of one streaming completion for ``backend``."""
     prompt: Any = req.prompt_text if req.prompt_text is not None else req.prompt_token_ids
@@ -297,7 +312,7 @@ async def send_request(
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return res
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -492,5 +507,6 @@ __all__ = [
     "percentile",
     "request_body",
     "sample_lengths",
+    "sse_lines",
     "summarize",
 ]

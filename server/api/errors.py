@@ -37,14 +37,20 @@ class SafeJSONResponse(JSONResponse):
         return dumps(content).encode("utf-8")
 
 
+# Line breaks for str.splitlines (and so for SSE readers built on it, such as httpx's
+# iter_lines) that JSON leaves raw: escaped, so an event never spans two "lines".
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(obj: Any) -> str:
-    """Compact JSON; ASCII-escaped only when the text holds unencodable surrogates."""
+    """Compact JSON on one line; ASCII-escaped only when the text holds unencodable
+    surrogates."""
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-    return text
+        return json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text.translate(_LINE_BREAKS)
 
 
 class APIError(Exception):

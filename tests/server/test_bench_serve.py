@@ -18,6 +18,7 @@ from kvscale.bench_serve import (
     percentile,
     request_body,
     sample_lengths,
+    sse_lines,
     summarize,
 )
 
@@ -126,3 +127,17 @@ def test_request_bodies_per_backend() -> None:
     assert peer["prompt"] == "hello there" and "ignore_eos" not in peer
     gen = json.loads(peer["generation_config"])
     assert gen == {"do_sample": False, "max_new_tokens": 9, "eos_token_id": -1}
+
+
+def test_sse_lines_break_only_at_newlines() -> None:
+    import asyncio
+
+    async def chunks():  # type: ignore[no-untyped-def]
+        for c in ['data: {"t":"a\u2028b"}\r', "\n\ndata: [DO", "NE]\n\n"]:
+            yield c
+
+    async def collect() -> list[str]:
+        return [line async for line in sse_lines(chunks())]
+
+    lines = asyncio.run(collect())
+    assert lines == ['data: {"t":"a\u2028b"}', "", "data: [DONE]", ""]
