@@ -132,6 +132,7 @@ class ModelRunner:
         self.attn_layers = self.model.attention_layers()  # type: ignore[operator]
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._neg_inf = torch.full((), float("-inf"), device=device)
         # The tokens sampled by the latest step that sampled (row r at index r).
         self.last_tokens = torch.zeros(
             max(1, max_num_batched_tokens), dtype=torch.long, device=device
@@ -303,7 +304,8 @@ class ModelRunner:
         want_lp = [s.params.logprobs for s in seqs]
         raw = logits.clone() if any(k is not None for k in want_lp) else None
         if flags["ban"]:
-            logits[dev["ban_rows"], dev["ban_cols"]] = float("-inf")
+            # a tensor value: assigning a Python float copies it to the device and syncs
+            logits.index_put_((dev["ban_rows"], dev["ban_cols"]), self._neg_inf)
         cols = dev["sampling"]
         t = SamplingTensors(
             temperature=cols[:, 0],

@@ -134,7 +134,7 @@ def test_sse_lines_break_only_at_newlines() -> None:
 
     async def chunks():  # type: ignore[no-untyped-def]
         for c in ['data: {"t":"a\u2028b"}\r', "\n\ndata: [DO", "NE]\n\n"]:
-            yield c
+            yield c.encode()
 
     async def collect() -> list[str]:
         return [line async for line in sse_lines(chunks())]
