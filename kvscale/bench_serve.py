@@ -133,21 +133,27 @@ def word_pool(tokenizer_json: str) -> list[tuple[int, str]]:
 def make_text_requests(
     lengths: list[tuple[int, int]], seed: int, tokenizer_json: str
 ) -> list[BenchRequest]:
-    """Text prompts that ``tokenizer_json`` encodes to exactly ``input_len`` ids (BOS plus
-    one id per word); raises ValueError if it does not for some prompt."""
+    """Text prompts that ``tokenizer_json`` encodes to exactly ``input_len`` ids (the
+    special tokens it adds, e.g. BOS, then one id per word); raises ValueError if it does
+    not for some prompt."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_json)
     pool = word_pool(tokenizer_json)
+    prefix = tok.encode("").ids
     rng = random.Random(seed + 1)
     out = []
     for i, o in lengths:
-        words = [rng.choice(pool) for _ in range(max(1, i - 1))]
-        text = " ".join(w for _, w in words)
-        ids = tok.encode(text).ids
-        if ids[1:] != [t for t, _ in words]:
+        words = [rng.choice(pool) for _ in range(max(1, i - len(prefix)))]
+        want = prefix + [t for t, _ in words]
+        # word-boundary tokens: SentencePiece marks the first word itself, byte-level
+        # BPE needs the leading space written out
+        for text in (" ".join(w for _, w in words), "".join(" " + w for _, w in words)):
+            if tok.encode(text).ids == want:
+                break
+        else:
             raise ValueError(f"{tokenizer_json} does not encode the prompt words back exactly")
-        out.append(BenchRequest(ids, o, text))
+        out.append(BenchRequest(want, o, text))
     return out
 
 

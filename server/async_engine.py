@@ -2,11 +2,11 @@
 
 ``AsyncEngine`` loads the tokenizer and model config (for validation), starts the engine
 process (``engine_process``) and talks to it over a pipe: a sender thread writes
-commands, a receiver thread reads each step's token updates and hands them to the event
-loop, where the ``OutputProcessor`` detokenizes them and each ``RequestGroup`` gets its
-requests' latest outputs. Neither the HTTP layer nor detokenization runs in the engine's
-interpreter, so they never stall the engine loop, and the event loop never waits on
-model compute.
+commands; the event loop itself reads each step's token updates when the pipe is
+readable (no thread to hand over to, so no lock ping-pong), the ``OutputProcessor``
+detokenizes them and each ``RequestGroup`` gets its requests' latest outputs. Neither
+the HTTP layer nor detokenization runs in the engine's interpreter, so they never
+stall the engine loop, and the event loop never waits on model compute.
 
 A step that raises in the engine fails the requests in flight (they get an
 ``EngineStepError``) and the engine keeps serving. Closing a ``RequestGroup`` before its
@@ -224,7 +224,7 @@ class AsyncEngine:
         self._stats = self.info["stats"]
         self.heartbeat = time.monotonic()
         self._running = True
-        threading.Thread(target=self._receive, name="kvscale-engine-rx", daemon=True).start()
+        self._loop.add_reader(parent.fileno(), self._on_readable)
         threading.Thread(target=self._send_loop, name="kvscale-engine-tx", daemon=True).start()
         return self.info
 
@@ -374,29 +374,28 @@ class AsyncEngine:
         self._running = False
         self._fail(list(self.processor.requests), EngineDeadError("the engine stopped"))
 
-    # ---- pipe threads ----------------------------------------------------------------------
-    def _call(self, fn: Any, *args: Any) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    def _receive(self) -> None:
+    # ---- the pipe ----------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        """On the event loop: every message waiting in the pipe (each one whole)."""
         conn = self._conn
         assert conn is not None
         try:
-            while True:
-                self._call(self._on_message, conn.recv())
+            while conn.poll():
+                self._on_message(conn.recv())
         except (EOFError, OSError):
-            pass
+            self._close_pipe()
+            if self._running:
+                log.error("the engine process stopped (exit code %s)", self._proc.exitcode)
+            self._on_engine_dead()
         except Exception:
             log.exception("bad message from the engine process")
-        if self._running:
-            log.error("the engine process stopped (exit code %s)", self._proc.exitcode)
-        self._call(self._on_engine_dead)
+
+    def _close_pipe(self) -> None:
+        if self._loop is not None and self._conn is not None:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except (OSError, ValueError, RuntimeError):
+                pass
 
     def _send_loop(self) -> None:
         conn = self._conn

@@ -4,6 +4,8 @@ No model hub is reachable from our machines, so the demo and the tests make thei
 checkpoints: transformers' config and model classes write ``config.json`` and
 safetensors; the tokenizer is Mistral's 32k SentencePiece model shipped inside the
 ``mistral-common`` package, converted to ``tokenizer.json``; a chat template is added.
+Large-vocabulary checkpoints (the 128k Llama-3.1 shapes) take Mistral's 131k Tekken
+tokenizer from the same package instead, so that every token id they sample decodes.
 """
 
 from __future__ import annotations
@@ -55,28 +57,48 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def _sentencepiece_file() -> Path:
+def _mistral_data_file(name: str) -> Path:
     # Located without importing mistral_common (whose imports we do not need).
     spec = importlib.util.find_spec("mistral_common")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the demo tokenizer needs the mistral-common package installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "tokenizer.model.v1"
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / name
     if not path.is_file():
         raise FileNotFoundError(f"mistral-common does not ship {path.name} at {path}")
     return path
 
 
-def write_tokenizer(out_dir: str | Path) -> None:
-    """Writes tokenizer.json + tokenizer_config.json (Mistral 32k vocab, chat template)."""
-    from tokenizers.models import BPE
-    from transformers import LlamaTokenizer
-    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+TOKENIZERS = ("sentencepiece", "tekken")
 
-    parts = SentencePieceExtractor(str(_sentencepiece_file())).extract(BPE)
-    tok = LlamaTokenizer(
-        vocab=parts["vocab"], merges=parts["merges"], add_bos_token=True, add_eos_token=False
-    )
-    tok.chat_template = CHAT_TEMPLATE
+
+def write_tokenizer(out_dir: str | Path, kind: str = "sentencepiece") -> None:
+    """Writes tokenizer.json + tokenizer_config.json with the chat template.
+
+    ``kind``: "sentencepiece" (Mistral's 32k vocabulary) or "tekken" (Mistral's 131k
+    byte-level BPE); both add BOS (id 1) to encoded text, EOS is id 2."""
+    if kind == "sentencepiece":
+        from tokenizers.models import BPE
+        from transformers import LlamaTokenizer
+        from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+        parts = SentencePieceExtractor(str(_mistral_data_file("tokenizer.model.v1"))).extract(BPE)
+        tok = LlamaTokenizer(
+            vocab=parts["vocab"], merges=parts["merges"], add_bos_token=True, add_eos_token=False
+        )
+        tok.chat_template = CHAT_TEMPLATE
+    elif kind == "tekken":
+        from tokenizers import processors
+        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+
+        tok = convert_tekken_tokenizer(
+            str(_mistral_data_file("tekken_240911.json")), chat_template=CHAT_TEMPLATE
+        )
+        bos = tok.bos_token
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_token_id)]
+        )
+    else:
+        raise ValueError(f"tokenizer: {kind!r} is not one of {TOKENIZERS}")
     tok.save_pretrained(str(out_dir))
 
 
@@ -164,6 +186,7 @@ def write_random_checkpoint(
     std: float = 0.02,
     seed: int = 0,
     shard_bytes: int = 4 << 30,
+    tokenizer: str = "sentencepiece",
 ) -> Path:
     """Writes a large random-weight checkpoint without building the model in memory.
 
@@ -172,6 +195,7 @@ def write_random_checkpoint(
     written into safetensors shards of about ``shard_bytes`` with an index file. Norm
     weights are ones, as in a freshly initialised model. Used for the 8B-shaped
     benchmark model, where initialising through transformers would take minutes.
+    ``tokenizer``: see ``write_tokenizer``.
     """
     import json as _json
 
@@ -182,7 +206,7 @@ def write_random_checkpoint(
         raise ValueError(f"arch: {arch!r} is not one of {sorted(_ARCHES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out)
+    write_tokenizer(out, tokenizer)
     cfg_cls_name, model_cls_name = _ARCHES[arch]
     config = getattr(transformers, cfg_cls_name)(**config_kwargs)
     config.torch_dtype = dtype

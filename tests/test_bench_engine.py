@@ -113,7 +113,10 @@ def test_report_from_partial_phase_results() -> None:
         "peer-latency": {"tpot_ms": 84.0, "ttft_ms": 45.0},
         "eager": {"latency": {"tpot_ms": 20.0, "ttft_ms": 30.0}},
         "serve": {"64": _serve_result(10.0, 2500.0), "command": "serve ..."},
-        "peer-serve": {"64": _serve_result(100.0, 250.0, failed=1)},
+        "peer-serve": {
+            "64": _serve_result(100.0, 250.0, failed=1),
+            "failed": {"256": "TimeoutExpired(300)"},
+        },
     }
     text, doc = eb.render_report(res)
     assert "| C batch-1 latency | TPOT (ms) | 6.00 | 84.00 | 14.00x |" in text
@@ -123,6 +126,7 @@ def test_report_from_partial_phase_results() -> None:
     assert "| D serve c=64 | output tok/s | 2500.00 | 250.00 | 10.00x |" in text
     assert "failed requests: 0 (peer 1)" in text
     assert "phases not run: peer-a, compile, peer-b" in text
+    assert "peer serve at c=256 did not complete: TimeoutExpired(300)" in text
     assert "A steps: num_steps 300, host_ms 1.50" in text
     floor = doc["bounds"]["C_tpot_floor_ms"]
     assert floor == pytest.approx(1e3 * eb.decode_step_floor_s(eb.LLAMA_31_8B, 384, 3.0e12))

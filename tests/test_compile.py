@@ -28,3 +28,18 @@ def test_compiled_model_matches_eager(llama_ckpt: Path) -> None:
     got = [o.outputs[0].token_ids for o in compiled.generate(PROMPTS, GREEDY)]
     assert compiled.engine.stats().num_preemptions > 0
     assert got == ref
+
+
+def test_compiled_model_does_not_recompile_for_new_step_sizes(llama_ckpt: Path) -> None:
+    """One graph for single-token steps and one dynamic graph for the rest: steps of new
+    sizes (and inputs at new offsets in the packed transfer) reuse them."""
+    import torch._dynamo
+
+    llm = LLM(str(llama_ckpt), compile=True, **MODE)
+    llm.generate(PROMPTS[:2], GREEDY)  # compiles for T == 1 and for T >= 2
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        outs = llm.generate(random_prompts(8, (61, 90), seed=2), GREEDY)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)

@@ -125,6 +125,7 @@ class ModelRunner:
         # hand-written Triton kernels.
         ops.use_kernels(self.backend.name == "triton" and not compile_model)
         self.model = load_model(model_config, model_path, dtype, device)
+        self.compiled = compile_model
         if compile_model:
             # Attention stays an opaque custom op (see layers/attention.py); token counts
             # vary every step, so shapes are dynamic.
@@ -243,8 +244,13 @@ class ModelRunner:
             seq_lens_cpu=plan.seq_lens,
         )
         ids = resolve_placeholders(dev["ids"], self.last_tokens)
+        positions = dev["positions"]
+        if self.compiled:
+            # A view into the packed buffer has a storage offset that varies with the
+            # step's sizes; Dynamo guards on it and would recompile: pass a fresh tensor.
+            positions = positions.clone()
         with forward_context(self.backend, meta):
-            hidden = self.model(ids, dev["positions"])
+            hidden = self.model(ids, positions)
         return self.model.compute_logits(hidden[dev["logits_idx"]])  # type: ignore[operator]
 
     # ---- sampling ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscale.server.engine.core_outputs import RowLogprobs, SeqUpdate
-from kvscale.server.engine.detokenizer import IncrementalDetokenizer
+from kvscale.server.engine.detokenizer import IncrementalDetokenizer, decoder
 from kvscale.server.outputs import CompletionOutput, Logprob, RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 
@@ -101,6 +101,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any, stream: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.decode = decoder(tokenizer)
         self.stream = stream
         self.requests: dict[str, RequestState] = {}
         self.finished: Counter[str] = Counter()  # sequences by reason; aborts per request
@@ -117,7 +118,7 @@ class OutputProcessor:
         samples = [
             SampleState(
                 i,
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip),
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip, self.decode),
                 logprobs=[] if params.logprobs is not None else None,
             )
             for i in range(params.n)
@@ -185,11 +186,11 @@ class OutputProcessor:
 
     def _logprob_entry(self, token: int, lp: RowLogprobs) -> dict[int, Logprob]:
         top_ids, top_lps, s_lp, rank = lp
-        decode = self.tokenizer.decode
-        entry = {token: Logprob(s_lp, rank, decode([token]))}
+        decode = self.decode
+        entry = {token: Logprob(s_lp, rank, decode([token], False))}
         for r, (tid, val) in enumerate(zip(top_ids, top_lps, strict=True), start=1):
             if tid not in entry:
-                entry[tid] = Logprob(val, r, decode([tid]))
+                entry[tid] = Logprob(val, r, decode([tid], False))
         return entry
 
 

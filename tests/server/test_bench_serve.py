@@ -103,16 +103,21 @@ def test_summary_math_and_table() -> None:
         assert label in table, label
 
 
-def test_text_prompts_encode_back_to_exact_lengths(llama_ckpt: Path) -> None:
+@pytest.mark.parametrize("kind", ["sentencepiece", "tekken"])
+def test_text_prompts_encode_back_to_exact_lengths(kind: str, tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
-    path = str(llama_ckpt / "tokenizer.json")
+    from kvscale.server.demo_model import write_tokenizer
+
+    write_tokenizer(tmp_path, kind)
+    path = str(tmp_path / "tokenizer.json")
     lengths = sample_lengths("sharegpt-like", 40, 0, 0, seed=5)
     reqs = make_text_requests(lengths, seed=5, tokenizer_json=path)
     tok = Tokenizer.from_file(path)
     for (i, o), r in zip(lengths, reqs, strict=True):
         assert r.prompt_text is not None and r.output_len == o
         assert tok.encode(r.prompt_text).ids == r.prompt_token_ids and len(r.prompt_token_ids) == i
+        assert r.prompt_token_ids[0] == 1  # BOS
 
 
 def test_request_bodies_per_backend() -> None:
