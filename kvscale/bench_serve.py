@@ -298,6 +298,18 @@ def request_body(model: str, req: BenchRequest, backend: str) -> dict[str, Any]:
     }
 
 
+def client_session(max_connections: int, timeout_s: float) -> Any:
+    """The HTTP client for ``send_request``: an aiohttp session, whose C HTTP parser keeps
+    the client from becoming the bottleneck (and from batching chunks) at hundreds of
+    streams, as in vLLM's benchmark client. Use it as an async context manager."""
+    import aiohttp
+
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections),
+        timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0),
+    )
+
+
 async def send_request(
     client: Any,
     base_url: str,
@@ -306,7 +318,8 @@ async def send_request(
     api_key: str | None,
     backend: str = "kvscale",
 ) -> RequestResult:
-    """One streaming completion; times the chunks as they arrive."""
+    """One streaming completion through ``client`` (``client_session``); times the chunks
+    as they arrive."""
     body = request_body(model, req, backend)
     res = RequestResult(prompt_len=len(req.prompt_token_ids))
     chunks = 0
@@ -370,17 +383,12 @@ async def _server_model(
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the load and returns ``summarize``'s dict plus the configuration."""
-    import aiohttp
     from tqdm import tqdm
 
     base_url = args.base_url.rstrip("/")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     conc = args.max_concurrency or args.num_prompts
-    # aiohttp: its C HTTP parser keeps the client from becoming the bottleneck (and from
-    # batching chunks) at hundreds of streams, as in vLLM's benchmark client
-    connector = aiohttp.TCPConnector(limit=conc)
-    timeout = aiohttp.ClientTimeout(total=args.timeout, connect=10.0)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+    async with client_session(conc, args.timeout) as client:
         model, max_model_len = await _server_model(client, base_url, api_key, args.model)
         lengths = sample_lengths(
             args.dataset,
@@ -508,6 +516,7 @@ __all__ = [
     "RequestResult",
     "add_arguments",
     "arrival_delays",
+    "client_session",
     "format_summary",
     "main",
     "make_requests",

@@ -372,8 +372,7 @@ class LoadDriver:
         requests = bench_serve.make_requests(lengths, self.seed)
         turn = itertools.count()
         deadline = time.monotonic() + duration_s
-        limits = httpx.Limits(max_connections=self.concurrency * 2)
-        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0)) as client:
+        async with bench_serve.client_session(self.concurrency * 2, 120.0) as client:
 
             async def user(u: int) -> None:
                 for k in itertools.count():
