@@ -88,18 +88,67 @@ def write_tokenizer(out_dir: str | Path, kind: str = "sentencepiece") -> None:
         tok.chat_template = CHAT_TEMPLATE
     elif kind == "tekken":
         from tokenizers import processors
-        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+        from transformers import PreTrainedTokenizerFast
 
-        tok = convert_tekken_tokenizer(
-            str(_mistral_data_file("tekken_240911.json")), chat_template=CHAT_TEMPLATE
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=tekken_tokenizer(_mistral_data_file("tekken_240911.json")),
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            chat_template=CHAT_TEMPLATE,
         )
-        bos = tok.bos_token
         tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_token_id)]
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.bos_token_id)]
         )
     else:
         raise ValueError(f"tokenizer: {kind!r} is not one of {TOKENIZERS}")
     tok.save_pretrained(str(out_dir))
+
+
+def tekken_tokenizer(path: str | Path) -> Any:
+    """A ``tokenizers.Tokenizer`` for a Mistral ``tekken.json``: byte-level BPE whose ranks
+    become ids after ``default_num_special_tokens`` special tokens (``<unk>``, ``<s>``,
+    ``</s>``, then placeholders), merges recovered from the ranks as tiktoken converters
+    do. Built here rather than through transformers' Mistral integration, which imports
+    mistral-common and all its dependencies."""
+    import base64
+    import json as _json
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    raw = _json.loads(Path(path).read_text(encoding="utf-8"))
+    cfg = raw["config"]
+    n_special = cfg["default_num_special_tokens"]
+    ranks = [
+        base64.b64decode(t["token_bytes"])
+        for t in raw["vocab"][: cfg["default_vocab_size"] - n_special]
+    ]
+    rank_of = {b: r for r, b in enumerate(ranks)}
+    byte_char = bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(byte_char[x] for x in b)
+
+    specials = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, n_special)]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({text(b): r + n_special for r, b in enumerate(ranks)})
+    merges: list[tuple[str, str]] = []
+    for b in ranks:  # in rank order: the merges that can build each token, cheapest first
+        pairs = [(b[:k], b[k:]) for k in range(1, len(b)) if b[:k] in rank_of and b[k:] in rank_of]
+        pairs.sort(key=lambda p: (rank_of[p[0]], rank_of[p[1]]))
+        merges.extend((text(x), text(y)) for x, y in pairs)
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(cfg["pattern"]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    return tok
 
 
 def build_checkpoint(
