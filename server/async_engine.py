@@ -1,9 +1,10 @@
 """The API server's side of the engine: the engine process, and outputs as asyncio streams.
 
 ``AsyncEngine`` loads the tokenizer and model config (for validation), starts the engine
-process (``engine_process``) and talks to it over a pipe: a sender thread writes
-commands; the event loop itself reads each step's token updates when the pipe is
-readable (no thread to hand over to, so no lock ping-pong), the ``OutputProcessor``
+process (``engine_process``) and talks to it over two one-way pipes: a sender thread
+writes commands (blocking writes); the event loop itself reads each step's token
+updates as they arrive (``frames``: no thread to hand over to, so no lock ping-pong,
+and a partly written message never blocks the loop), the ``OutputProcessor``
 detokenizes them and each ``RequestGroup`` gets its requests' latest outputs. Neither
 the HTTP layer nor detokenization runs in the engine's interpreter, so they never
 stall the engine loop, and the event loop never waits on model compute.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -34,6 +36,7 @@ from kvscale.server.engine.llm_engine import eos_token_ids
 from kvscale.server.engine.output_processor import OutputProcessor
 from kvscale.server.engine.request import check_params, check_prompt
 from kvscale.server.engine_process import run_engine_process
+from kvscale.server.frames import MessageProtocol
 from kvscale.server.model_config import ModelConfig
 from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
@@ -176,7 +179,9 @@ class AsyncEngine:
         self._groups: dict[str, RequestGroup] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None
-        self._conn: Connection | None = None
+        self._conn: Connection | None = None  # commands to the engine (sender thread)
+        self._transport: asyncio.BaseTransport | None = None  # the engine's outputs
+        self._first: asyncio.Future[tuple[Any, ...]] | None = None
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._running = False
 
@@ -200,20 +205,41 @@ class AsyncEngine:
     async def start(self) -> dict[str, Any]:
         """Starts the engine process and waits until its model is loaded; returns its
         info (device, dtype, KV blocks...). Raises RuntimeError if loading failed."""
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=self.process_target,
-            args=(self.config, self.eos_token_ids, self.max_model_len, child, self.log_level),
+            args=(
+                self.config,
+                self.eos_token_ids,
+                self.max_model_len,
+                cmd_recv,
+                out_send,
+                self.log_level,
+            ),
             name="kvscale-engine",
             daemon=True,
         )
         self._proc.start()
-        child.close()
-        self._conn = parent
+        cmd_recv.close()
+        out_send.close()  # the engine's copy is the only writer: EOF when it exits
+        self._conn = cmd_send
+        self._first = loop.create_future()
+        pipe = os.fdopen(os.dup(out_recv.fileno()), "rb", buffering=0)
+        out_recv.close()
         try:
-            msg = await asyncio.to_thread(self._first_message)
+            self._transport, _ = await loop.connect_read_pipe(
+                lambda: MessageProtocol(self._on_message, self._on_pipe_closed), pipe
+            )
+            msg = await self._first
+            if msg[0] == "closed":
+                await asyncio.to_thread(self._proc.join, STOP_TIMEOUT_S)
+                msg = (
+                    "failed",
+                    f"the engine process exited (code {self._proc.exitcode}) while loading",
+                )
         except BaseException:
             self.shutdown(timeout=1.0)
             raise
@@ -224,17 +250,8 @@ class AsyncEngine:
         self._stats = self.info["stats"]
         self.heartbeat = time.monotonic()
         self._running = True
-        self._loop.add_reader(parent.fileno(), self._on_readable)
         threading.Thread(target=self._send_loop, name="kvscale-engine-tx", daemon=True).start()
         return self.info
-
-    def _first_message(self) -> tuple[Any, ...]:
-        assert self._conn is not None
-        try:
-            return self._conn.recv()
-        except (EOFError, OSError):
-            code = self._proc.exitcode if self._proc is not None else None
-            return ("failed", f"the engine process exited (code {code}) while loading")
 
     def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stops the engine process (in-flight requests fail with EngineDeadError)."""
@@ -255,6 +272,8 @@ class AsyncEngine:
             log.warning("the engine process did not stop in %.0fs; killing it", timeout)
             proc.kill()
             proc.join(5)
+        if self._transport is not None:
+            self._transport.close()
 
     def is_alive(self) -> bool:
         """True while the engine process runs and its pipe is open."""
@@ -333,6 +352,9 @@ class AsyncEngine:
 
     # ---- messages from the engine (on the event loop) -------------------------------------
     def _on_message(self, msg: tuple[Any, ...]) -> None:
+        if self._first is not None and not self._first.done():
+            self._first.set_result(msg)  # "ready" or "failed"
+            return
         kind = msg[0]
         self.heartbeat = time.monotonic()
         if kind == "step":
@@ -374,36 +396,25 @@ class AsyncEngine:
         self._running = False
         self._fail(list(self.processor.requests), EngineDeadError("the engine stopped"))
 
-    # ---- the pipe ----------------------------------------------------------------------
-    def _on_readable(self) -> None:
-        """On the event loop: every message waiting in the pipe (each one whole)."""
-        conn = self._conn
-        assert conn is not None
-        try:
-            while conn.poll():
-                self._on_message(conn.recv())
-        except (EOFError, OSError):
-            self._close_pipe()
-            if self._running:
-                log.error("the engine process stopped (exit code %s)", self._proc.exitcode)
-            self._on_engine_dead()
-        except Exception:
-            log.exception("bad message from the engine process")
-
-    def _close_pipe(self) -> None:
-        if self._loop is not None and self._conn is not None:
-            try:
-                self._loop.remove_reader(self._conn.fileno())
-            except (OSError, ValueError, RuntimeError):
-                pass
+    # ---- the pipes ---------------------------------------------------------------------
+    def _on_pipe_closed(self) -> None:
+        """On the event loop: the engine's output pipe closed (the process exited)."""
+        if self._first is not None and not self._first.done():
+            self._first.set_result(("closed",))
+            return
+        if self._running:
+            log.error("the engine process stopped (exit code %s)", self._proc.exitcode)
+        self._on_engine_dead()
 
     def _send_loop(self) -> None:
+        """The sender thread: writes queued commands (blocking) until ``None``."""
         conn = self._conn
         assert conn is not None
         while (msg := self._outbox.get()) is not None:
             try:
                 conn.send(msg)
-            except OSError:
+            except OSError as e:  # the engine is gone; the output pipe reports that
+                log.warning("cannot send to the engine process: %s", e)
                 return
 
 

@@ -1,9 +1,11 @@
-"""The engine core in a process of its own, driven over a pipe by the API server.
+"""The engine core in a process of its own, driven over two pipes by the API server.
 
 The API process (HTTP, tokenization, detokenization, SSE) and the engine process
 (scheduler, model runner, sampler) each have their own interpreter, so HTTP streaming
 and detokenization never hold the lock the engine loop needs, and the two run on two
-cores. Messages are pickled tuples:
+cores. Commands arrive on a ``multiprocessing`` pipe; outputs leave as frames
+(``frames``) on another, which the API process reads on its event loop. Messages are
+pickled tuples:
 
 - to the engine: ``("add", request_id, prompt_ids, params, arrival_time)``,
   ``("abort", request_id)``, ``("finish", request_id, index)`` (a stop string ended that
@@ -31,6 +33,7 @@ from typing import Any
 
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.engine_core import EngineCore
+from kvscale.server.frames import write_message
 from kvscale.server.model_config import ModelConfig
 
 log = logging.getLogger("kvscale.engine")
@@ -39,12 +42,14 @@ IDLE_WAIT_S = 1.0  # an idle engine reports its stats (its heartbeat) this often
 
 
 class CoreLoop:
-    """Runs an EngineCore for the commands arriving on ``conn`` until told to stop or
-    the pipe closes. Exceptions of a step fail the requests in flight; the loop goes on."""
+    """Runs an EngineCore for the commands arriving on ``conn`` until told to stop or a
+    pipe closes, writing its outputs to the file descriptor ``out_fd``. Exceptions of a
+    step fail the requests in flight; the loop goes on."""
 
-    def __init__(self, core: EngineCore, conn: Connection) -> None:
+    def __init__(self, core: EngineCore, conn: Connection, out_fd: int) -> None:
         self.core = core
         self.conn = conn
+        self.out_fd = out_fd
         self.num_step_errors = 0
         self._added = 0
         self._stop = False
@@ -76,7 +81,7 @@ class CoreLoop:
         return n
 
     def _send(self, msg: tuple[Any, ...]) -> None:
-        self.conn.send(msg)
+        write_message(self.out_fd, msg)
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -124,9 +129,12 @@ def run_engine_process(
     eos_token_ids: set[int],
     max_model_len: int,
     conn: Connection,
+    out: Connection,
     log_level: str = "INFO",
 ) -> None:
-    """The engine process's entry point: loads the model, reports, then serves ``conn``."""
+    """The engine process's entry point: loads the model, reports on ``out`` (the write
+    end of a one-way pipe, used as a file descriptor), then serves the commands of
+    ``conn``."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -135,12 +143,13 @@ def run_engine_process(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    out_fd = out.fileno()
     try:
         model_config = ModelConfig.from_path(config.model)
         core = EngineCore(config, model_config, eos_token_ids, max_model_len)
     except BaseException as e:
         try:
-            conn.send(("failed", f"{type(e).__name__}: {e}"))
+            write_message(out_fd, ("failed", f"{type(e).__name__}: {e}"))
         except OSError:
             pass
         return
@@ -153,7 +162,7 @@ def run_engine_process(
         "stats": core.stats(),
     }
     try:
-        conn.send(("ready", info))
+        write_message(out_fd, ("ready", info))
     except OSError:
         return
-    CoreLoop(core, conn).run()
+    CoreLoop(core, conn, out_fd).run()

@@ -32,3 +32,74 @@ def run_failing_to_load(*args: Any) -> None:
 
     EngineCore.__init__ = broken_init  # type: ignore[method-assign]
     run_engine_process(*args)
+
+
+class InstantCore:
+    """Stands in for EngineCore with no model: every step emits one token for every
+    running sequence after ``step_s`` seconds, and ends each at its ``max_tokens``. It
+    floods the API process with step messages as a fast GPU does at high concurrency."""
+
+    step_s = 0.002
+    token_id = 1000
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        from kvscale.server.engine.block_manager import BlockManager
+
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.block_manager = BlockManager(1024, 16)
+        self.active: dict[str, list[int]] = {}  # request id -> [tokens left, tokens done]
+        self.steps = 0
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: Any, arrival: Any) -> None:
+        self.active[rid] = [params.max_tokens or 16, 0]
+
+    def abort_request(self, rid: str) -> bool:
+        return self.active.pop(rid, None) is not None
+
+    def finish_sequence(self, rid: str, index: int) -> None:
+        self.active.pop(rid, None)
+
+    def abort_all(self) -> list[str]:
+        rids = list(self.active)
+        self.active.clear()
+        return rids
+
+    def has_work(self) -> bool:
+        return bool(self.active)
+
+    def step(self) -> list[Any]:
+        import time
+
+        from kvscale.server.engine.core_outputs import SeqUpdate
+
+        time.sleep(self.step_s)
+        self.steps += 1
+        now = time.monotonic()
+        updates = []
+        for rid, state in list(self.active.items()):
+            state[0] -= 1
+            state[1] += 1
+            done = state[0] <= 0
+            if done:
+                del self.active[rid]
+            first = now if state[1] == 1 else None
+            updates.append(
+                SeqUpdate(rid, 0, self.token_id, None, "length" if done else None, None, first)
+            )
+        return updates
+
+    def stats(self) -> Any:
+        from kvscale.server.engine.core_outputs import EngineStats
+
+        return EngineStats(len(self.active), 0, 1024, 1024, 0.0, 0, 0, 0)
+
+
+def run_instant_engine(*args: Any) -> None:
+    """The real engine process loop around ``InstantCore`` (no model)."""
+    import kvscale.server.engine_process as ep
+
+    ep.EngineCore = InstantCore  # type: ignore[misc,assignment]
+    ep.run_engine_process(*args)

@@ -24,7 +24,7 @@ from kvscale.server.async_engine import (
 from kvscale.server.config import EngineConfig
 from kvscale.server.sampling_params import SamplingParams
 
-from .engine_faults import run_failing_to_load, run_with_failing_third_step
+from .engine_faults import run_failing_to_load, run_instant_engine, run_with_failing_third_step
 
 PROMPT = [1, 415, 2936, 9060, 285]
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,12 @@ def _config(ckpt: Path) -> EngineConfig:
     return EngineConfig(model=str(ckpt), device="cpu", num_kv_blocks=64)
 
 
-def _run(ckpt: Path, body: Callable[[AsyncEngine], Any], **kw: Any) -> Any:
+def _run(
+    ckpt: Path,
+    body: Callable[[AsyncEngine], Any],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    **kw: Any,
+) -> Any:
     """Starts an AsyncEngine on a fresh event loop, runs ``body``, always shuts down."""
 
     async def main() -> Any:
@@ -51,7 +56,8 @@ def _run(ckpt: Path, body: Callable[[AsyncEngine], Any], **kw: Any) -> Any:
         finally:
             aeng.shutdown()
 
-    return asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main())
 
 
 async def _wait_idle(aeng: AsyncEngine) -> None:
@@ -172,3 +178,32 @@ def test_queue_limit_and_dead_engine(llama_ckpt: Path) -> None:
         first.close()
 
     asyncio.run(main())
+
+
+def test_a_flood_of_steps_under_uvloop_reaches_every_stream(
+    llama_ckpt: Path, importable_tests: None
+) -> None:
+    """256 streams fed by an engine that steps every 2 ms (as a GPU does), on uvloop as
+    under uvicorn: uvloop makes the pipe it polls non-blocking, so the API process must
+    read partial messages and the commands must not share that pipe (they once did: a
+    full socket buffer killed the sender and the server hung)."""
+    uvloop = pytest.importorskip("uvloop")
+    num, tokens = 256, 300
+
+    async def consume(aeng: AsyncEngine, i: int) -> int:
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        last = None
+        prompt = [(i * 7 + j) % 30000 + 3 for j in range(600)]  # adds outgrow the pipe
+        async for out in aeng.generate(f"r{i}", prompt, params):
+            last = out
+        assert last is not None and last.finished
+        return len(last.outputs[0].token_ids)
+
+    async def body(aeng: AsyncEngine) -> list[int]:
+        jobs = asyncio.gather(*(consume(aeng, i) for i in range(num)))
+        return await asyncio.wait_for(jobs, timeout=120)
+
+    lens = _run(
+        llama_ckpt, body, loop_factory=uvloop.new_event_loop, process_target=run_instant_engine
+    )
+    assert lens == [tokens] * num
