@@ -215,12 +215,23 @@ def default_cache_dir() -> Path:
 
 
 def demo_model_path(size: str = "demo") -> Path:
-    """Returns the built-in demo checkpoint, building it on first use (a few seconds)."""
+    """Returns the built-in demo checkpoint, building it on first use (a few seconds).
+
+    Safe when several processes start on an empty cache at once (servers started
+    together): each builds into a folder of its own and renames it into place; the
+    first rename wins, the others drop their copy, and nobody removes a finished one."""
     path = default_cache_dir() / f"demo-llama-{size}-v1"
-    if not (path / "config.json").is_file():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_checkpoint(tmp, arch="llama", size=size, dtype="float32", seed=0)
+    if (path / "config.json").is_file():
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_checkpoint(tmp, arch="llama", size=size, dtype="float32", seed=0)
+    try:
+        tmp.rename(path)
+    except OSError:  # the folder exists: another process finished first, or a stale one
+        if (path / "config.json").is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return path
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     return path
