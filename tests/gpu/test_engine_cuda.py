@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,15 @@ from kvscale.server import LLM, SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory() -> Iterator[None]:
+    """Each test's engines (KV pools sized from free memory) are gone before the next."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
 
 PROMPTS = random_prompts(16, (2, 90), seed=1)
 # chunked prefill (32-token budget) and preemption (too few blocks) at once
@@ -112,6 +122,7 @@ def test_steps_launch_without_a_device_sync(checkpoint_factory: Callable[..., Pa
         max_num_seqs=16,
         cuda_graph_max_batch=8,
         max_model_len=256,
+        num_kv_blocks=256,  # not sized from free memory: earlier tests' pools may linger
     )
     eng = llm.engine
     mixed = [
