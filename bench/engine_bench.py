@@ -801,6 +801,11 @@ def phase_peer_serve(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dic
         "warning",
     ]
 
+    # its /v1/models lists the hub cache and answers 500 when that folder is missing
+    Path(os.environ.get("HF_HUB_CACHE", Path.home() / ".cache/huggingface/hub")).mkdir(
+        parents=True, exist_ok=True
+    )
+
     def clients() -> dict[str, Any]:
         out: dict[str, Any] = {}
         # first request loads the CB manager (and compiles nothing we time)
