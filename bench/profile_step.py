@@ -6,6 +6,9 @@
    copy, a pinned allocation or a sync shows up here) and the top GPU kernels.
 3. Mixed prefill steps of six different token counts, each synchronized: a step far
    slower than the others compiled a kernel variant inside the run.
+4. Steps shaped like workload B's: 64 decoding sequences alone (a graph replay), and with
+   a 490-token prompt joining (eager), each synchronized, with the host's launch time:
+   a launch time close to the step time means the step waits on the host, not the GPU.
 
     python bench/profile_step.py [--ckpt /tmp/llama31-8b-random]
 """
@@ -108,6 +111,53 @@ def main() -> None:
         print(f"prefill step {k}: {4 * (500 + 3 * k)} tokens, {ms:.1f} ms")
         while eng.has_unfinished_requests():
             eng.step()
+
+    _mixed_vs_decode(eng)
+
+
+def _mixed_vs_decode(eng: Any) -> None:
+    import torch
+
+    from kvscale.server import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_bench import _prompts
+
+    print("== 4. 64 decoding sequences, alone and with a 490-token prompt joining")
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i, p in enumerate(_prompts(64, 128, 20)):
+        eng.add_request(f"d{i}", p, params)
+    for _ in range(4):  # the 64 prompts (8,192 tokens) fill one step; then all decode
+        eng.step()
+    launch = eng.runner.launch
+
+    def one_step(label: str) -> None:
+        cur: dict[str, float] = {}
+
+        def timed(batch: Any, banned: Any) -> Any:
+            t0 = time.perf_counter()
+            out = launch(batch, banned)
+            cur["launch_ms"] = 1e3 * (time.perf_counter() - t0)
+            cur["tokens"] = float(sum(batch.num_new_tokens))
+            return out
+
+        eng.runner.launch = timed
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        eng.runner.launch = launch
+        cur["step_ms"] = 1e3 * (time.perf_counter() - t0)
+        print(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in cur.items()))
+
+    for k in range(3):
+        one_step("decode only")
+        eng.add_request(
+            f"j{k}", _prompts(1, 490, 30 + k)[0], SamplingParams(temperature=0, max_tokens=1)
+        )
+        one_step("mixed")
+    while eng.has_unfinished_requests():
+        eng.step()
 
 
 if __name__ == "__main__":
