@@ -18,8 +18,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def _timed(launch: Callable[..., Any], cur: dict[str, float]) -> Callable[..., Any]:
+    """``ModelRunner.launch`` that records its host time and token count in ``cur``."""
+
+    def timed_launch(batch: Any, banned: Any) -> Any:
+        t0 = time.perf_counter()
+        out = launch(batch, banned)
+        cur["launch_ms"] = 1e3 * (time.perf_counter() - t0)
+        cur["tokens"] = float(sum(batch.num_new_tokens))
+        return out
+
+    return timed_launch
 
 
 def _timeline(eng: Any, steps: int) -> list[dict[str, float]]:
@@ -29,13 +43,7 @@ def _timeline(eng: Any, steps: int) -> list[dict[str, float]]:
     rows: list[dict[str, float]] = []
     cur: dict[str, float] = {}
     launch, result = eng.runner.launch, PendingStep.result
-
-    def timed_launch(batch: Any, banned: Any) -> Any:
-        t0 = time.perf_counter()
-        out = launch(batch, banned)
-        cur["launch_ms"] = 1e3 * (time.perf_counter() - t0)
-        cur["tokens"] = float(sum(batch.num_new_tokens))
-        return out
+    timed_launch = _timed(launch, cur)
 
     def timed_result(self: Any) -> Any:
         t0 = time.perf_counter()
@@ -133,15 +141,7 @@ def _mixed_vs_decode(eng: Any) -> None:
 
     def one_step(label: str) -> None:
         cur: dict[str, float] = {}
-
-        def timed(batch: Any, banned: Any) -> Any:
-            t0 = time.perf_counter()
-            out = launch(batch, banned)
-            cur["launch_ms"] = 1e3 * (time.perf_counter() - t0)
-            cur["tokens"] = float(sum(batch.num_new_tokens))
-            return out
-
-        eng.runner.launch = timed
+        eng.runner.launch = _timed(launch, cur)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         eng.step()
