@@ -189,10 +189,10 @@ def format_table(rows: list[Row]) -> str:
     ]
     for r in rows:
         ratio = frac = "n/a"
-        if r.peer:
+        if r.peer and r.ours:  # a count of 0 (failed requests) has no ratio
             x = r.ours / r.peer if r.higher_is_better else r.peer / r.ours
             ratio = f"{x:.2f}x"
-        if r.bound:
+        if r.bound and r.ours:
             f = r.ours / r.bound if r.higher_is_better else r.bound / r.ours
             frac = f"{100 * f:.1f}%"
         peer = f"{r.peer:.2f}" if r.peer is not None else "not run"
@@ -358,13 +358,12 @@ def build_rows(res: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
             ("output tok/s", "output_throughput", True, sb.get("output_tok_per_s"), ""),
         ):
             rows.append(Row(f"D serve c={c}", metric, r[key], p.get(key), bound, hib, tgt))
-        failed = f"{r['failed_requests']} (peer {p.get('failed_requests', 'n/a')})"
         rows.append(
             Row(
                 f"D serve c={c}",
-                f"failed requests: {failed}",
+                "failed requests",
                 r["failed_requests"],
-                None,
+                p.get("failed_requests"),
                 None,
                 False,
                 "",

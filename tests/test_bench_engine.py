@@ -124,7 +124,7 @@ def test_report_from_partial_phase_results() -> None:
     assert "| A 256 x 512/256 | output tok/s | 9000.00 | not run |" in text
     assert "| D serve c=64 | median TPOT (ms) | 10.00 | 100.00 | 10.00x |" in text
     assert "| D serve c=64 | output tok/s | 2500.00 | 250.00 | 10.00x |" in text
-    assert "failed requests: 0 (peer 1)" in text
+    assert "| D serve c=64 | failed requests | 0.00 | 1.00 | n/a |" in text
     assert "phases not run: peer-a, compile, peer-b" in text
     assert "peer serve at c=256 did not complete: TimeoutExpired(300)" in text
     assert "A steps: num_steps 300, host_ms 1.50" in text
