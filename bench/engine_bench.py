@@ -406,17 +406,17 @@ def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 # ---------------------------------------------------------------- GPU runs
 def _instrument(eng: Any) -> list[tuple[float, float, int, int]]:
     """Times each engine step and the wait for the previous step's tokens inside it."""
-    from kvscale.server.engine.model_runner import PendingStep
+    from kvscale.server.worker.worker import PendingStep
 
     steps: list[tuple[float, float, int, int]] = []
     last: dict[str, Any] = {}
-    launch, step, result = eng.runner.launch, eng.step, PendingStep.result
+    launch, step, result = eng.worker.launch, eng.step, PendingStep.result
 
-    def timed_launch(batch: Any, banned: Any) -> Any:
-        n = batch.num_new_tokens
+    def timed_launch(step_input: Any) -> Any:
+        n = step_input.new_tokens_per_seq
         last["decode"] = sum(1 for x in n if x == 1)
         last["prefill"] = sum(x for x in n if x > 1)
-        return launch(batch, banned)
+        return launch(step_input)
 
     def timed_result(self: Any) -> Any:
         t0 = time.perf_counter()
@@ -433,7 +433,7 @@ def _instrument(eng: Any) -> list[tuple[float, float, int, int]]:
             steps.append((dt_s, last.get("wait", 0.0), last["decode"], last["prefill"]))
         return out
 
-    eng.runner.launch, eng.step = timed_launch, timed_step
+    eng.worker.launch, eng.step = timed_launch, timed_step
     PendingStep.result = timed_result  # type: ignore[method-assign]
     return steps
 

@@ -24,13 +24,13 @@ from typing import Any
 
 
 def _timed(launch: Callable[..., Any], cur: dict[str, float]) -> Callable[..., Any]:
-    """``ModelRunner.launch`` that records its host time and token count in ``cur``."""
+    """``Worker.launch`` that records its host time and token count in ``cur``."""
 
-    def timed_launch(batch: Any, banned: Any) -> Any:
+    def timed_launch(step: Any) -> Any:
         t0 = time.perf_counter()
-        out = launch(batch, banned)
+        out = launch(step)
         cur["launch_ms"] = 1e3 * (time.perf_counter() - t0)
-        cur["tokens"] = float(sum(batch.num_new_tokens))
+        cur["tokens"] = float(sum(step.new_tokens_per_seq))
         return out
 
     return timed_launch
@@ -38,11 +38,11 @@ def _timed(launch: Callable[..., Any], cur: dict[str, float]) -> Callable[..., A
 
 def _timeline(eng: Any, steps: int) -> list[dict[str, float]]:
     """Runs ``steps`` engine steps; per step: wall, launch and wait times (ms)."""
-    from kvscale.server.engine.model_runner import PendingStep
+    from kvscale.server.worker.worker import PendingStep
 
     rows: list[dict[str, float]] = []
     cur: dict[str, float] = {}
-    launch, result = eng.runner.launch, PendingStep.result
+    launch, result = eng.worker.launch, PendingStep.result
     timed_launch = _timed(launch, cur)
 
     def timed_result(self: Any) -> Any:
@@ -51,7 +51,7 @@ def _timeline(eng: Any, steps: int) -> list[dict[str, float]]:
         cur["wait_ms"] = 1e3 * (time.perf_counter() - t0)
         return out
 
-    eng.runner.launch = timed_launch
+    eng.worker.launch = timed_launch
     PendingStep.result = timed_result  # type: ignore[method-assign]
     try:
         for _ in range(steps):
@@ -62,7 +62,7 @@ def _timeline(eng: Any, steps: int) -> list[dict[str, float]]:
             cur["outputs"] = float(len(outs))
             rows.append(dict(cur))
     finally:
-        eng.runner.launch = launch
+        eng.worker.launch = launch
         PendingStep.result = result  # type: ignore[method-assign]
     return rows
 
@@ -137,16 +137,16 @@ def _mixed_vs_decode(eng: Any) -> None:
         eng.add_request(f"d{i}", p, params)
     for _ in range(4):  # the 64 prompts (8,192 tokens) fill one step; then all decode
         eng.step()
-    launch = eng.runner.launch
+    launch = eng.worker.launch
 
     def one_step(label: str) -> None:
         cur: dict[str, float] = {}
-        eng.runner.launch = _timed(launch, cur)
+        eng.worker.launch = _timed(launch, cur)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         eng.step()
         torch.cuda.synchronize()
-        eng.runner.launch = launch
+        eng.worker.launch = launch
         cur["step_ms"] = 1e3 * (time.perf_counter() - t0)
         print(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in cur.items()))
 

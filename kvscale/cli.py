@@ -20,10 +20,11 @@ finish (up to --drain-timeout), then it exits 0.
 
 def _generate(args: argparse.Namespace) -> int:
     from kvscale.server import LLM, SamplingParams
+    from kvscale.server.config import engine_settings
 
     t0 = time.perf_counter()
     print(f"loading {args.model!r} ...", file=sys.stderr)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+    llm = LLM(**engine_settings(args))
     print(f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
@@ -55,11 +56,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model", default="demo", help="checkpoint folder, or 'demo' (built-in; default)"
-    )
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    from kvscale.server.config import add_engine_arguments
+
+    add_engine_arguments(p)  # --model, --dtype, --max-num-seqs, ...: one per EngineConfig setting
+    g = p.add_argument_group("model serving")
     g.add_argument(
         "--served-model-name",
         nargs="+",
@@ -67,64 +67,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="name(s) clients use in 'model'; the first is used in responses and metric "
         "labels (default: the --model value)",
     )
-    g.add_argument("--dtype", default="auto", help="auto (default) | float32 | float16 | bfloat16")
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context length in tokens (default: the model's)",
-    )
     g.add_argument(
         "--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template"
-    )
-    g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", help="auto (default) | cpu | cuda | cuda:N")
-    g.add_argument(
-        "--max-num-seqs", type=int, default=256, help="sequences per batch (default: %(default)s)"
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="new tokens per step (default: max(8192, max-num-seqs))",
-    )
-    g.add_argument(
-        "--block-size",
-        type=int,
-        default=16,
-        help="tokens per KV-cache block (default: %(default)s)",
-    )
-    g.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="KV-cache blocks (default: from --gpu-memory-utilization; 1 GiB on CPU)",
-    )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory for weights, activations and KV cache (default: %(default)s)",
-    )
-    g.add_argument("--attention-backend", default="auto", help="auto (default) | torch | triton")
-    g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
-    )
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the layers around attention (Inductor); slower start-up",
-    )
-    g.add_argument(
-        "--cuda-graph-max-batch",
-        type=int,
-        default=256,
-        help="largest decode batch captured as a CUDA graph; 0 = none (default: %(default)s)",
-    )
-    g.add_argument(
-        "--seed", type=int, default=0, help="seed of unseeded sampling (default: %(default)s)"
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
@@ -157,18 +101,14 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="log verbosity (default: %(default)s)",
     )
     g.add_argument("--disable-access-log", action="store_true", help="no per-request log")
-    g = p.add_argument_group("not supported yet (rejected at start)")
-    g.add_argument("--enable-prefix-caching", action="store_true", help="prefix caching")
-    g.add_argument("--quantization", default=None, help="weight quantization (only none)")
-    g.add_argument("--speculative-model", default=None, help="draft model")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1")
-    g.add_argument("--kv-cache-dtype", default="auto", help="only auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False everywhere: a unique prefix of a flag must not stand for it
+    # (an operator-managed flag could otherwise be set through extraArgs as "--api-k").
     parser = argparse.ArgumentParser(
         prog="kvscale",
+        allow_abbrev=False,
         description="LLM serving on Kubernetes: an OpenAI-compatible inference server, a "
         "serving benchmark and offline generation.",
     )
@@ -176,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
+        allow_abbrev=False,
         help="run the OpenAI-compatible HTTP server",
         description="Run the OpenAI-compatible HTTP server on a checkpoint or the demo model.",
         epilog=SERVE_EPILOG,
@@ -188,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     bserve = bench_sub.add_parser(
         "serve",
+        allow_abbrev=False,
         help="load-test a running server and report throughput and latency",
         description="Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, ITL and "
         "end-to-end latency (mean, median, p99), printed and written as JSON.",
@@ -197,15 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bserve)
     bserve.set_defaults(func=_bench_serve)
 
-    gen = sub.add_parser("generate", help="generate text offline from one or more prompts")
-    gen.add_argument("--model", default="demo", help="checkpoint folder, or 'demo' (built-in)")
+    gen = sub.add_parser(
+        "generate", help="generate text offline from one or more prompts", allow_abbrev=False
+    )
+    from kvscale.server.config import add_engine_arguments
+
+    add_engine_arguments(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
-    gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
     gen.set_defaults(func=_generate)
     return parser
 

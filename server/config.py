@@ -1,47 +1,178 @@
-"""Engine settings, validated once at start-up."""
+"""The engine's configuration, defined once: settings, checkpoint facts, resolution.
+
+- ``EngineConfig``: every engine setting with its default, bounds and help text, in
+  one dataclass validated on construction. ``kvscale serve``/``generate`` derive their
+  flags from its fields (``add_engine_arguments``/``EngineConfig.from_args``) and
+  ``LLM(model, **settings)`` takes them as keywords, so a new setting is added here only.
+- ``ModelConfig``: the architecture facts of a Hugging Face checkpoint's ``config.json``.
+- ``ResolvedConfig``: the settings plus everything derived from them and the checkpoint
+  (model folder, context length, EOS ids, device, dtype), built once by
+  ``EngineConfig.resolve`` and passed whole to the engine core, the worker and the
+  engine process.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import json
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from kvscale.server.model_config import ModelConfig, parse_dtype
-
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class CheckpointError(ValueError):
+    """The path is not a usable checkpoint (missing files, unsupported model, bad tensors)."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Maps "float32"/"float16"/"bfloat16" (and aliases) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        if name in _DTYPES.values():
+            return name
+        raise ValueError(f"dtype: {name} is not supported; use float32, float16 or bfloat16")
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(
+            f"dtype: {name!r} is not supported; use 'auto', 'float32', 'float16' or 'bfloat16'"
+        )
+    return _DTYPES[key]
+
+
+# ---- settings ---------------------------------------------------------------------------
+
+# CLI argument groups, in the order ``--help`` shows them.
+GROUPS = {
+    "model": "model",
+    "engine": "engine",
+    "features": "features not supported yet (any value but the default is refused at start)",
+}
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    group: str = "engine",
+    choices: tuple[Any, ...] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    min_exclusive: bool = False,
+    not_yet: str | None = None,
+    cli: bool = True,
+) -> Any:
+    """A field of ``EngineConfig`` with what validation, the CLI and docs need.
+
+    ``choices``/``min``/``max``: allowed values (None always passes: "not set").
+    ``not_yet``: the feature's name; any value but the default is refused for now.
+    ``cli``: False for settings that are not command-line flags.
+    """
+    meta = dict(
+        help=help,
+        group=group,
+        choices=choices,
+        min=min,
+        max=max,
+        min_exclusive=min_exclusive,
+        not_yet=not_yet,
+        cli=cli,
+    )
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class EngineConfig:
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"
-    seed: int = 0
-    enforce_eager: bool = False  # no CUDA graphs
-    cuda_graph_max_batch: int = 256  # largest decode batch replayed from a graph
-    compile: bool = False  # torch.compile the non-attention parts (Inductor)
+    """Engine settings (model, cache, scheduler, parallelism, features), validated on
+    construction: a bad value raises ValueError naming the setting, the value and what is
+    allowed. ``max_num_batched_tokens`` None becomes ``max(8192, max_num_seqs)``."""
+
+    model: str = setting("demo", "checkpoint folder, or 'demo' (built-in)", group="model")
+    tokenizer: str | None = setting(None, "tokenizer folder (default: the model's)", group="model")
+    dtype: str = setting(
+        "auto",
+        "auto | float32 | float16 | bfloat16 (auto: the checkpoint's on GPU, float32 on CPU)",
+        group="model",
+    )
+    max_model_len: int | None = setting(
+        None, "context length in tokens (default: the model's)", group="model", min=2
+    )
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    max_num_seqs: int = setting(256, "sequences per batch", min=1)
+    max_num_batched_tokens: int | None = setting(
+        None, "new tokens per step (default: max(8192, max-num-seqs))", min=1
+    )
+    block_size: int = setting(16, "tokens per KV-cache block", choices=VALID_BLOCK_SIZES)
+    num_kv_blocks: int | None = setting(
+        None, "KV-cache blocks (default: from --gpu-memory-utilization; 1 GiB on CPU)", min=1
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "fraction of GPU memory for weights, activations and KV cache",
+        min=0.0,
+        max=1.0,
+        min_exclusive=True,
+    )
+    attention_backend: str = setting(
+        "auto", "auto | torch | triton (auto: triton on CUDA)", choices=("auto", "torch", "triton")
+    )
+    enforce_eager: bool = setting(
+        False, "run decode steps eagerly instead of replaying CUDA graphs (GPU only)"
+    )
+    compile: bool = setting(
+        False, "torch.compile the layers around attention (Inductor); slower start-up"
+    )
+    cuda_graph_max_batch: int = setting(
+        256, "largest decode batch captured as a CUDA graph; 0 = none", min=0
+    )
+    seed: int = setting(0, "seed of unseeded sampling")
+    enable_prefix_caching: bool = setting(
+        False, "reuse the KV cache of shared prompt prefixes", group="features",
+        not_yet="prefix caching is not supported yet",
+    )  # fmt: skip
+    quantization: str | None = setting(
+        None,
+        "weight quantization (only none)",
+        group="features",
+        not_yet="quantization is not supported yet",
+    )
+    kv_cache_dtype: str = setting(
+        "auto", "KV-cache dtype (only auto: the model dtype)", group="features",
+        not_yet="only 'auto' (the model dtype) is supported yet",
+    )  # fmt: skip
+    speculative_model: str | None = setting(
+        None, "draft model", group="features", not_yet="speculative decoding is not supported yet"
+    )
+    num_speculative_tokens: int | None = setting(
+        None,
+        "tokens drafted per step",
+        group="features",
+        not_yet="speculative decoding is not supported yet",
+    )
+    tensor_parallel_size: int = setting(
+        1, "GPUs one model is sharded over (only 1)", group="features", min=1,
+        not_yet="tensor parallelism is not supported yet (only 1)",
+    )  # fmt: skip
     # True: step() returns every request's state each step (servers stream it);
     # False: only finished requests, and text is detokenized once at the end.
-    stream_outputs: bool = True
+    stream_outputs: bool = setting(True, "report every step's outputs", cli=False)
 
     def __post_init__(self) -> None:
-        if self.block_size not in VALID_BLOCK_SIZES:
-            raise ValueError(
-                f"block_size must be one of {VALID_BLOCK_SIZES}, got {self.block_size}"
-            )
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            _check_setting(f, getattr(self, f.name), hints[f.name])
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -49,24 +180,26 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
             )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.cuda_graph_max_batch < 0:
-            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
 
-    @property
-    def model_path(self) -> Path:
-        return Path(self.model)
+    # ---- the command line -------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The settings from flags that ``add_engine_arguments`` added."""
+        return cls(**engine_settings(args))
+
+    # ---- resolution -------------------------------------------------------------------
+    def resolve_model_path(self) -> str:
+        """The checkpoint folder (the demo checkpoint is built on first use)."""
+        return resolve_model_path(self.model)
 
     def torch_device(self) -> torch.device:
+        """The device; ValueError if a GPU was asked for and none is available."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for but no CUDA GPU is available")
         return torch.device(self.device)
@@ -94,3 +227,243 @@ class EngineConfig:
                 "max_position_embeddings, or the sliding window)"
             )
         return self.max_model_len
+
+    def load(self) -> tuple[ResolvedConfig, Any]:
+        """The resolved configuration and the tokenizer: the checkpoint is read (and
+        checked) first, then the tokenizer, whose EOS id joins the checkpoint's."""
+        from kvscale.server.tokenizer import load_tokenizer
+
+        path = self.resolve_model_path()
+        ModelConfig.from_path(path)  # a bad checkpoint is named before a missing tokenizer
+        tokenizer = load_tokenizer(self.tokenizer or path)
+        return replace(self, model=path).resolve(tokenizer), tokenizer
+
+    def resolve(self, tokenizer: Any = None) -> ResolvedConfig:
+        """Reads the checkpoint (building the demo one if asked for) and derives what
+        the engine runs with. ``tokenizer``: its EOS id joins the checkpoint's.
+        Raises CheckpointError or ValueError with the reason."""
+        path = self.resolve_model_path()
+        model = ModelConfig.from_path(path)
+        from kvscale.server.quantization import get_quantization
+
+        get_quantization(model, self.quantization)  # refuses formats not implemented
+        device = self.torch_device()
+        return ResolvedConfig(
+            engine=replace(self, model=path),
+            model=model,
+            max_model_len=self.resolve_max_model_len(model),
+            eos_token_ids=frozenset(eos_token_ids(Path(path), model, tokenizer)),
+            device=str(device),
+            dtype=self.torch_dtype(model, device),
+        )
+
+
+def _check_setting(f: Field[Any], value: Any, hint: Any) -> None:
+    """Type, bounds, choices and "not yet" of one setting; ValueError naming it."""
+    meta = f.metadata
+    if meta.get("not_yet") and value not in (f.default, None, False, 0, "none"):
+        raise ValueError(f"{f.name}={value!r}: {meta['not_yet']}")
+    if value is None:
+        if type(None) not in typing.get_args(hint):
+            raise ValueError(f"{f.name} must be set")
+        return
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    if base is bool and not isinstance(value, bool):
+        raise ValueError(f"{f.name} must be true or false, got {value!r}")
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{f.name} must be an integer, got {value!r}")
+    if base is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ValueError(f"{f.name} must be a number, got {value!r}")
+    if base is str and not isinstance(value, str):
+        raise ValueError(f"{f.name} must be a string, got {value!r}")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ValueError(f"{f.name} must be one of {meta['choices']}, got {value!r}")
+    lo, hi = meta["min"], meta["max"]
+    if lo is not None and (value <= lo if meta["min_exclusive"] else value < lo):
+        if hi is not None:
+            raise ValueError(f"{f.name} must be in ({lo}, {hi}], got {value!r}")
+        raise ValueError(f"{f.name} must be >= {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        low = "(" if meta["min_exclusive"] else "["
+        raise ValueError(f"{f.name} must be in {low}{lo}, {hi}], got {value!r}")
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``EngineConfig``'s keywords from parsed ``add_engine_arguments`` flags."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.metadata["cli"]}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per ``EngineConfig`` setting (``--max-num-seqs`` for ``max_num_seqs``),
+    grouped as in ``GROUPS``; values are validated by ``EngineConfig`` itself."""
+    hints = typing.get_type_hints(EngineConfig)
+    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
+    for f in fields(EngineConfig):
+        meta = f.metadata
+        if not meta["cli"]:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        group = groups[meta["group"]]
+        base = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), None)
+        base = base or hints[f.name]
+        if base is bool:
+            group.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        default = "" if f.default in (None, MISSING) else " (default: %(default)s)"
+        group.add_argument(flag, type=base, default=f.default, help=meta["help"] + default)
+
+
+# ---- the checkpoint -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts of a decoder-only checkpoint (Llama, Mistral, Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quantization: dict[str, Any] | None = None  # config.json's quantization_config
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise CheckpointError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"kvscale supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        # transformers v5 keeps rope settings in "rope_parameters"; v4 in rope_theta/rope_scaling.
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or rope_params or None
+        if scaling is not None:
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type == "default":
+                scaling = None
+            elif rope_type not in ("llama3", "linear"):
+                raise CheckpointError(
+                    f"rope scaling type {rope_type!r} is not supported; "
+                    "supported: none, 'linear', 'llama3'"
+                )
+            else:
+                scaling = {**scaling, "rope_type": rope_type}
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        sliding = cfg.get("sliding_window")
+        if is_qwen2 and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
+            o_bias=(not is_qwen2) and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+            dtype=parse_dtype(dtype_name),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            quantization=cfg.get("quantization_config"),
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        """Reads ``PATH/config.json``; raises CheckpointError with the reason otherwise."""
+        p = Path(path)
+        if not p.is_dir():
+            raise CheckpointError(f"model path {str(path)!r} is not a directory")
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(
+                f"{str(path)!r} is not a Hugging Face checkpoint: config.json is missing"
+            )
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+        try:
+            return cls.from_dict(cfg)
+        except KeyError as e:
+            raise CheckpointError(f"{cfg_file} lacks the field {e.args[0]!r}") from e
+
+
+def resolve_model_path(model: str) -> str:
+    """``"demo"`` is the built-in random-weight demo checkpoint (built on first use)."""
+    if model == "demo":
+        from kvscale.server.demo_model import demo_model_path
+
+        return str(demo_model_path())
+    return str(Path(model))
+
+
+def eos_token_ids(path: Path, cfg: ModelConfig, tokenizer: Any = None) -> set[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer."""
+    ids = set(cfg.eos_token_ids)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+        elif eos is not None:
+            ids.add(int(eos))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+# ---- resolved ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What one engine runs with, built once by ``EngineConfig.resolve`` and passed whole
+    (it is picklable: the engine process receives it as is)."""
+
+    engine: EngineConfig  # ``model`` is the checkpoint folder
+    model: ModelConfig
+    max_model_len: int  # tokens: prompt + output
+    eos_token_ids: frozenset[int]
+    device: str  # "cpu", "cuda", "cuda:N"
+    dtype: torch.dtype  # weights and activations
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return int(self.engine.max_num_batched_tokens or 0)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

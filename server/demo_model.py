@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvscale.server.model_config import parse_dtype
+from kvscale.server.config import parse_dtype
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

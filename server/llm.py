@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from pathlib import Path
+from typing import Any
 
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
@@ -11,57 +11,19 @@ from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 
 
-def resolve_model(model: str) -> str:
-    """``"demo"`` is the built-in random-weight demo checkpoint (built on first use)."""
-    if model == "demo":
-        from kvscale.server.demo_model import demo_model_path
-
-        return str(demo_model_path())
-    return str(Path(model))
-
-
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        gpu_memory_utilization: float = 0.9,
-        attention_backend: str = "auto",
-        tokenizer: str | None = None,
-        enforce_eager: bool = False,
-        cuda_graph_max_batch: int = 256,
-        compile: bool = False,
-    ) -> None:
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=resolve_model(model),
-                tokenizer=tokenizer,
-                dtype=dtype,
-                device=device,
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization,
-                attention_backend=attention_backend,
-                seed=seed,
-                enforce_eager=enforce_eager,
-                cuda_graph_max_batch=cuda_graph_max_batch,
-                compile=compile,
-                stream_outputs=False,  # generate() returns final outputs only
-            )
-        )
+    """``LLM(model, **settings)``: ``model`` is a checkpoint folder or "demo"; the
+    keywords are ``EngineConfig``'s settings (``dtype``, ``device``, ``block_size``,
+    ``num_kv_blocks``, ``max_num_seqs``, ``max_model_len``, ``seed``, ...), with the same
+    defaults and validation as ``kvscale serve``'s flags."""
+
+    def __init__(self, model: str, **settings: Any) -> None:
+        # generate() returns final outputs only
+        config = EngineConfig(model=model, **{**settings, "stream_outputs": False})
+        self.engine = LLMEngine(config)
         self._counter = 0
 
-    def get_tokenizer(self):
+    def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer
 
     def generate(
@@ -86,15 +48,13 @@ class LLM:
                     f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
                 )
         eng = self.engine
-        for p in prompts:  # validate everything before queueing anything
-            if not isinstance(p, str | list):
-                raise ValueError(f"prompts must be strings or token-id lists, got {type(p)}")
-            eng.validate_prompt(eng.tokenize(p))
+        # validate everything before queueing anything
+        prepared = [eng.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
         ids = []
-        for p, sp in zip(prompts, params, strict=True):
+        for p, prompt_ids, sp in zip(prompts, prepared, params, strict=True):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            eng.add_request(rid, p, sp)
+            eng.queue(rid, p, prompt_ids, sp)
             ids.append(rid)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):

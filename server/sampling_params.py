@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvscale.server.errors import InvalidRequestError
+
 
 @dataclass
 class SamplingParams:
@@ -43,8 +45,9 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        def bad(name: str, allowed: str) -> InvalidRequestError:
+            value = getattr(self, name)
+            return InvalidRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -74,9 +77,10 @@ class SamplingParams:
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"and max_tokens={self.max_tokens}"
+                f"and max_tokens={self.max_tokens}",
+                param="min_tokens",
             )
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise bad("stop", "a non-empty string or a list of non-empty strings")

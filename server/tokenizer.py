@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvscale.server.model_config import CheckpointError
+from kvscale.server.config import CheckpointError
 
 
 def load_tokenizer(path: str | Path) -> Any:

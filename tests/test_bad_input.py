@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from kvscale.server import LLM, SamplingParams
-from kvscale.server.model_config import CheckpointError
+from kvscale.server.config import CheckpointError
 
 
 def test_path_that_does_not_exist(tmp_path: Path) -> None:

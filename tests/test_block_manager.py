@@ -51,9 +51,17 @@ def test_random_operations_keep_invariants(num_blocks: int, block_size: int, ops
             new_key = max(tables) + 1
             tables[new_key] = bm.share(table)
             lengths[new_key] = len(table) * block_size
-        elif op in ("free", "preempt"):
+        elif op == "free":
             bm.free(table)
             lengths[key] = 0
+        elif op == "preempt":  # freed, then re-admitted: its blocks are allocated anew
+            length = lengths.get(key, 0)
+            bm.free(table)
+            assert table == []
+            lengths[key] = 0
+            if length and bm.can_allocate(table, length):
+                bm.allocate(table, length)
+                lengths[key] = length
         _check(bm, tables)
     for table in tables.values():
         bm.free(table)

@@ -26,6 +26,6 @@ def test_half_precision_checkpoint(checkpoint_factory: Callable[..., Path], dtyp
 
 def test_explicit_bf16_runs_on_cpu(llama_ckpt: Path) -> None:
     llm = LLM(str(llama_ckpt), device="cpu", dtype="bfloat16")
-    assert llm.engine.runner.model.lm_head.weight.dtype == torch.bfloat16
+    assert llm.engine.worker.model.lm_head.weight.dtype == torch.bfloat16
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

@@ -24,7 +24,7 @@ def test_compiled_model_matches_eager(llama_ckpt: Path) -> None:
     eager = LLM(str(llama_ckpt), **MODE)
     ref = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY)]
     compiled = LLM(str(llama_ckpt), compile=True, **MODE)
-    assert "OptimizedModule" in type(compiled.engine.runner.model.model).__name__
+    assert "OptimizedModule" in type(compiled.engine.worker.model.model).__name__
     got = [o.outputs[0].token_ids for o in compiled.generate(PROMPTS, GREEDY)]
     assert compiled.engine.stats().num_preemptions > 0
     assert got == ref

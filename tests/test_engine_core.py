@@ -9,8 +9,8 @@ import pytest
 
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
-from kvscale.server.engine.model_runner import PendingStep
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.worker.worker import PendingStep
 
 PROMPTS = [[1, 415, 2936, 9060, 285], [1, 22, 333, 4444], [1, 7, 8]]
 
@@ -23,18 +23,18 @@ def engine(llama_ckpt: Path) -> LLMEngine:
 def _trace(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Records ("launch", rows) and ("result", rows) in the order they happen."""
     events: list[tuple[str, int]] = []
-    launch, result = eng.runner.launch, PendingStep.result
+    launch, result = eng.worker.launch, PendingStep.result
 
-    def traced_launch(batch: Any, banned: Any) -> PendingStep:
-        pending = launch(batch, banned)
-        events.append(("launch", len(pending.seqs)))
+    def traced_launch(step: Any) -> PendingStep:
+        pending = launch(step)
+        events.append(("launch", pending.num_rows))
         return pending
 
     def traced_result(self: PendingStep) -> Any:
-        events.append(("result", len(self.seqs)))
+        events.append(("result", self.num_rows))
         return result(self)
 
-    monkeypatch.setattr(eng.runner, "launch", traced_launch)
+    monkeypatch.setattr(eng.worker, "launch", traced_launch)
     monkeypatch.setattr(PendingStep, "result", traced_result)
     return events
 

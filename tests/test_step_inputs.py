@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvscale.server.engine.host_to_device import to_device
 from kvscale.server.engine.scheduler import ScheduledBatch
 from kvscale.server.engine.sequence import Sequence
-from kvscale.server.engine.step_inputs import padded_rows, plan_step, resolve_placeholders
+from kvscale.server.engine.step_inputs import padded_rows, plan_step
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.worker.host_to_device import to_device
+from kvscale.server.worker.step import resolve_placeholders
 
 
 def _seq(i: int, tokens: list[int], computed: int, table: list[int]) -> Sequence:

@@ -39,8 +39,8 @@ from kvscale.server.api.protocol import (
 from kvscale.server.api.serving_chat import create_chat_completion
 from kvscale.server.api.serving_completions import create_completion
 from kvscale.server.api.state import ServerSettings, ServerState
-from kvscale.server.async_engine import AsyncEngine
 from kvscale.server.engine.core_outputs import EngineStats
+from kvscale.server.process.async_engine import AsyncEngine
 from kvscale.server.sampling_params import SamplingParams
 
 log = logging.getLogger("kvscale.server")

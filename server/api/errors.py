@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -100,15 +99,12 @@ def sse_error(message: str, status: int = 500, code: str | None = None) -> str:
     return f"data: {dumps(error_body(status, message, None, code))}\n\n"
 
 
-_FIELD = re.compile(r"^([a-z_]+) must\b")
-
-
 def param_of(err: ValueError, rename: dict[str, str] | None = None) -> str | None:
-    """The field a ValueError from SamplingParams names (``"top_p must be ..."`` -> top_p)."""
-    m = _FIELD.match(str(err))
-    if not m:
+    """The request field an engine error names (``InvalidRequestError.param``), renamed
+    to the API's name for it where ``rename`` says so."""
+    name = getattr(err, "param", None)
+    if name is None:
         return None
-    name = m.group(1)
     return (rename or {}).get(name, name)
 
 

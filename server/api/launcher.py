@@ -16,35 +16,14 @@ log = logging.getLogger("kvscale.server")
 API_KEY_ENV = "KVSCALE_API_KEY"
 GRACEFUL_CLOSE_S = 3.0  # after the drain: how long uvicorn waits for connections to close
 
-# attribute -> (flag, feature): any value but unset / false / "none" / 0 is refused for now
-_NOT_YET: dict[str, tuple[str, str]] = {
-    "enable_prefix_caching": ("--enable-prefix-caching", "prefix caching"),
-    "quantization": ("--quantization", "quantization"),
-    "speculative_model": ("--speculative-model", "speculative decoding"),
-    "num_speculative_tokens": ("--num-speculative-tokens", "speculative decoding"),
-}
-
 
 class UsageError(ValueError):
     """A flag value the server cannot start with (exit code 2)."""
 
 
-def check_flags(args: argparse.Namespace) -> None:
-    """Rejects flags of features that do not exist yet, and impossible values."""
-    for attr, (flag, feature) in _NOT_YET.items():
-        value = getattr(args, attr, None)
-        if value not in (None, False, 0, "none"):
-            raise UsageError(f"{flag}: {feature} is not supported yet")
-    if args.tensor_parallel_size != 1:
-        raise UsageError(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-            "supported yet (only 1)"
-        )
-    if args.kv_cache_dtype != "auto":
-        raise UsageError(
-            f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model dtype) is "
-            "supported yet"
-        )
+def check_flags(args: argparse.Namespace) -> EngineConfig:
+    """Rejects impossible server flags; returns the engine settings, which validate
+    themselves (unsupported features and bad values raise ValueError: exit code 2)."""
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue_len is not None and args.max_queue_len < 1:
@@ -53,43 +32,27 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise UsageError(f"--chat-template: no such file {args.chat_template!r}")
+    return EngineConfig.from_args(args)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings (validated now; the model path is resolved when loading)."""
-    cfg = EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_max_batch=args.cuda_graph_max_batch,
-        compile=args.compile,
-    )
+    cfg = check_flags(args)
     cfg.torch_device()  # a missing GPU is a usage error, found before anything loads
     return cfg
 
 
 def _engine_factory(cfg: EngineConfig, log_level: str):  # type: ignore[no-untyped-def]
     def build():  # type: ignore[no-untyped-def]
-        from kvscale.server.async_engine import AsyncEngine
-        from kvscale.server.llm import resolve_model
+        from kvscale.server.process.async_engine import AsyncEngine
 
         if cfg.model == "demo":
             log.info("[1/3] preparing the demo checkpoint (built on first use) ...")
             t0 = time.perf_counter()
-            path = resolve_model("demo")
+            path = cfg.resolve_model_path()
             log.info("[1/3] demo checkpoint at %s (%.1fs)", path, time.perf_counter() - t0)
         else:
-            path = resolve_model(cfg.model)
+            path = cfg.resolve_model_path()
         return AsyncEngine(dataclasses.replace(cfg, model=path), log_level=log_level)
 
     return build
@@ -103,7 +66,6 @@ def run_server(args: argparse.Namespace) -> int:
     from kvscale.server.api.lifecycle import DrainingServer
     from kvscale.server.api.state import ServerSettings
 
-    check_flags(args)
     cfg = engine_config(args)
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -37,11 +37,10 @@ from kvscale.server.api.serving_common import (
     submit,
     tokenize,
     unless_disconnected,
-    validate_prompt,
 )
 from kvscale.server.api.state import ServerState
-from kvscale.server.async_engine import AsyncEngine, EngineRequest, RequestGroup
 from kvscale.server.outputs import Logprob
+from kvscale.server.process.async_engine import AsyncEngine, EngineRequest, RequestGroup
 
 
 def _bytes(s: str) -> list[int]:
@@ -122,7 +121,6 @@ def render_prompt(
     if not isinstance(text, str):
         raise APIError(400, "the chat template did not render to text", param="messages")
     ids = tokenize(engine, text, "messages", special=False)
-    validate_prompt(engine, ids, "messages")
     return ids
 
 
@@ -157,7 +155,7 @@ async def create_chat_completion(
         req, max_tokens, k, engine.vocab_size, {"logprobs": "top_logprobs", "max_tokens": mt_param}
     )
     rid = random_id("chatcmpl")
-    group = submit(engine, [EngineRequest(rid, ids, params)])
+    group = submit(engine, [EngineRequest(rid, ids, params)], prompt_param="messages")
     created = int(time.time())
     if req.stream:
         return StreamingResponse(

@@ -13,7 +13,9 @@ from fastapi import Request
 
 from kvscale.server.api.errors import APIError, dumps, param_of
 from kvscale.server.api.protocol import SamplingRequest
-from kvscale.server.async_engine import (
+from kvscale.server.errors import InvalidRequestError
+from kvscale.server.outputs import RequestOutput
+from kvscale.server.process.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineRequest,
@@ -21,7 +23,6 @@ from kvscale.server.async_engine import (
     QueueFullError,
     RequestGroup,
 )
-from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -124,7 +125,7 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
         )
-    except ValueError as e:
+    except InvalidRequestError as e:
         raise APIError(400, str(e), param=param_of(e, rename)) from e
 
 
@@ -137,19 +138,11 @@ def check_stream_options(req: SamplingRequest) -> bool:
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
 
-def validate_prompt(engine: AsyncEngine, ids: list[int], param: str) -> None:
-    """The engine's prompt checks (empty, token ids out of vocabulary) as a 400."""
-    try:
-        engine.validate_prompt(ids)
-    except ValueError as e:
-        if "max_model_len" in str(e):
-            resolve_max_tokens(None, len(ids), engine.max_model_len, "max_tokens", param)
-        raise APIError(400, str(e), param=param) from e
-
-
-def submit(engine: AsyncEngine, requests: list[EngineRequest]) -> RequestGroup:
-    """Queues requests; 400 for input the engine refuses, 429 when the queue is full,
-    503 when the engine is down."""
+def submit(
+    engine: AsyncEngine, requests: list[EngineRequest], prompt_param: str = "prompt"
+) -> RequestGroup:
+    """Queues requests; 400 for input the engine refuses (naming the field, the prompt as
+    ``prompt_param``), 429 when the queue is full, 503 when the engine is down."""
     try:
         return engine.submit(requests)
     except QueueFullError as e:
@@ -158,8 +151,9 @@ def submit(engine: AsyncEngine, requests: list[EngineRequest]) -> RequestGroup:
         ) from e
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_dead") from e
-    except ValueError as e:
-        raise APIError(400, str(e), param=param_of(e)) from e
+    except InvalidRequestError as e:
+        param = param_of(e, {"prompt": prompt_param})
+        raise APIError(400, str(e), param=param, code=e.code) from e
 
 
 async def collect(group: RequestGroup) -> dict[str, RequestOutput]:

@@ -36,11 +36,10 @@ from kvscale.server.api.serving_common import (
     submit,
     tokenize,
     unless_disconnected,
-    validate_prompt,
 )
 from kvscale.server.api.state import ServerState
-from kvscale.server.async_engine import AsyncEngine, EngineRequest, RequestGroup
 from kvscale.server.outputs import CompletionOutput, Logprob
+from kvscale.server.process.async_engine import AsyncEngine, EngineRequest, RequestGroup
 
 
 def completion_logprobs(
@@ -80,7 +79,6 @@ def _prompts(req: CompletionRequest, engine: AsyncEngine) -> tuple[list[list[int
     ids_list, texts = [], []
     for item in raw:
         ids = tokenize(engine, item, "prompt") if isinstance(item, str) else list(item)
-        validate_prompt(engine, ids, "prompt")
         ids_list.append(ids)
         texts.append(item if isinstance(item, str) else "")
     return ids_list, texts

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvscale.server.api.errors import APIError
 from kvscale.server.api.lifecycle import Lifecycle
 from kvscale.server.api.metrics import ServerMetrics
-from kvscale.server.async_engine import AsyncEngine
+from kvscale.server.process.async_engine import AsyncEngine
 
 
 @dataclass

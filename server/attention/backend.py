@@ -1,6 +1,6 @@
 """The attention-backend interface over the paged KV cache.
 
-KV cache of one layer: ``k_cache`` and ``v_cache``, each
+KV cache of one layer: a ``LayerKV`` (``worker.kv_pool``) whose ``k`` and ``v`` are each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Backends write the step's new
 K/V into their slots, then attend each new query token to its sequence's cached
 tokens (causal), reading blocks through the block table.
@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.worker.kv_pool import LayerKV
 
 
 class AttentionBackend(ABC):
@@ -23,8 +24,7 @@ class AttentionBackend(ABC):
         self,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMetadata,
     ) -> None:
         """Stores ``k, v [T, Hk, D]`` at ``meta.slot_mapping``."""
@@ -33,8 +33,7 @@ class AttentionBackend(ABC):
     def attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:

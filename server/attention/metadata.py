@@ -15,7 +15,8 @@ class AttentionMetadata:
     token; negative = padding, not written. ``query_start_loc [B+1] int32``: cumulative
     new-token offsets. ``seq_lens [B] int32``: tokens of each sequence in the cache after
     this step (earlier context + new). ``block_tables [B, max_blocks] int32``: block ids
-    per sequence, padded. ``*_cpu``: host copies of the same lists, for host-side loops.
+    per sequence, padded. ``max_query_len``/``max_seq_len``: host-side maxima the
+    kernels size their grids by.
     """
 
     slot_mapping: torch.Tensor
@@ -24,12 +25,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
 
     @property
     def is_decode_only(self) -> bool:

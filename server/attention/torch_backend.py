@@ -12,6 +12,7 @@ from kvscale.kernels.kv_cache import write_kv_cache_ref
 from kvscale.kernels.paged_prefill import paged_prefill_attention_ref
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.worker.kv_pool import LayerKV
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -21,24 +22,22 @@ class TorchAttentionBackend(AttentionBackend):
         self,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMetadata,
     ) -> None:
-        write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_cache_ref(k, v, kv.k, kv.v, meta.slot_mapping)
 
     def attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         return paged_prefill_attention_ref(
             q,
-            k_cache,
-            v_cache,
+            kv.k,
+            kv.v,
             meta.query_start_loc,
             meta.seq_lens,
             meta.block_tables,

@@ -9,6 +9,7 @@ from kvscale.kernels.paged_decode import paged_decode_attention
 from kvscale.kernels.paged_prefill import paged_prefill_attention
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.worker.kv_pool import LayerKV
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -22,25 +23,23 @@ class TritonAttentionBackend(AttentionBackend):
         self,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMetadata,
     ) -> None:
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_cache(k, v, kv.k, kv.v, meta.slot_mapping)
 
     def attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         if meta.is_decode_only:
             return paged_decode_attention(
                 q,
-                k_cache,
-                v_cache,
+                kv.k,
+                kv.v,
                 meta.block_tables,
                 meta.seq_lens,
                 scale,
@@ -48,8 +47,8 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return paged_prefill_attention(
             q,
-            k_cache,
-            v_cache,
+            kv.k,
+            kv.v,
             meta.query_start_loc,
             meta.seq_lens,
             meta.block_tables,

@@ -1,7 +1,8 @@
-"""The engine core: token ids in, token ids out, one scheduled step at a time.
+"""The engine core (the driver): token ids in, token ids out, one scheduled step at a time.
 
-It owns the scheduler, the KV block manager and the model runner, and applies the
-stop rules that need no text (EOS, stop token ids, ``max_tokens``, the context length).
+It owns the scheduler, the KV block manager and the sequences, hands each step to the
+worker as a ``StepInput`` (plain arrays, ``step_inputs``), and applies the stop rules
+that need no text (EOS, stop token ids, ``max_tokens``, the context length).
 Text (detokenization, stop strings, logprob tokens) is the output processor's job, on
 the other side of the process boundary when serving.
 
@@ -22,17 +23,15 @@ import itertools
 import time
 from dataclasses import dataclass
 
-import torch
-
-from kvscale.server.config import EngineConfig
+from kvscale.server.config import ResolvedConfig
 from kvscale.server.engine.block_manager import BlockManager
 from kvscale.server.engine.core_outputs import EngineStats, SeqUpdate
-from kvscale.server.engine.model_runner import ModelRunner, PendingStep
-from kvscale.server.engine.request import Request, check_params, check_prompt
+from kvscale.server.engine.request import Request
 from kvscale.server.engine.scheduler import ScheduledBatch, Scheduler
 from kvscale.server.engine.sequence import Sequence
-from kvscale.server.model_config import ModelConfig
+from kvscale.server.engine.step_inputs import build_step
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.worker.worker import PendingStep, Worker
 
 
 @dataclass
@@ -40,51 +39,33 @@ class _Inflight:
     """A launched step: its pending results and where each sampled token goes."""
 
     pending: PendingStep
+    seqs: list[Sequence]  # the sequence of each sampling row
     positions: list[int]  # index in seq.token_ids of each sampled row's placeholder
 
 
 class EngineCore:
-    """Not thread-safe: one loop drives it."""
+    """Not thread-safe: one loop drives it. Requests reach it validated
+    (``request.validate_request``, at the engine's edge)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        eos_token_ids: set[int],
-        max_model_len: int,
-    ) -> None:
+    def __init__(self, config: ResolvedConfig, worker: Worker | None = None) -> None:
         self.config = config
-        self.model_config = model_config
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(model_config, self.device)
-        self.runner = ModelRunner(
-            model_config,
-            config.model,
-            self.dtype,
-            self.device,
-            config.block_size,
-            config.num_kv_blocks,
-            int(config.max_num_batched_tokens or 0),
-            config.gpu_memory_utilization,
-            config.attention_backend,
-            config.seed,
-            max_model_len=max_model_len,
-            enforce_eager=config.enforce_eager,
-            cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
-            compile_model=config.compile,
-        )
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
-        if self.block_manager.blocks_for(max_model_len) > self.block_manager.num_blocks:
-            capacity = self.block_manager.num_blocks * config.block_size
+        eng = config.engine
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = set(config.eos_token_ids)
+        self.worker = worker if worker is not None else Worker(config)
+        self.device = self.worker.device
+        self.dtype = self.worker.dtype
+        self.vocab_size = config.model.vocab_size
+        self.block_manager = BlockManager(self.worker.num_kv_blocks, eng.block_size)
+        if self.block_manager.blocks_for(self.max_model_len) > self.block_manager.num_blocks:
+            capacity = self.block_manager.num_blocks * eng.block_size
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({self.block_manager.num_blocks} blocks of "
-                f"{config.block_size}), fewer than max_model_len={max_model_len}: raise "
+                f"{eng.block_size}), fewer than max_model_len={self.max_model_len}: raise "
                 "num_kv_blocks / gpu_memory_utilization or lower max_model_len"
             )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, int(config.max_num_batched_tokens or 0)
+            self.block_manager, eng.max_num_seqs, config.max_num_batched_tokens
         )
         self.requests: dict[str, Request] = {}
         self._inflight: _Inflight | None = None
@@ -93,11 +74,6 @@ class EngineCore:
         self._generation_tokens = 0
 
     # ---- requests ------------------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError naming what is wrong; queues nothing."""
-        check_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
-        check_params(params, self.model_config.vocab_size)
-
     def add_request(
         self,
         request_id: str,
@@ -105,19 +81,15 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queues ``params.n`` sequences. Raises ValueError (queues nothing) for bad input."""
+        """Queues ``params.n`` sequences of a validated request. ValueError (queues
+        nothing) if ``request_id`` is in use."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.check_request(prompt_ids, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = []
-        for i in range(params.n):
-            child = params.for_child(i)
-            gen = None
-            if child.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(child.seed)
-            seqs.append(Sequence(next(self._seq_ids), request_id, i, prompt_ids, child, now, gen))
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, i, prompt_ids, params.for_child(i), now)
+            for i in range(params.n)
+        ]
         self.requests[request_id] = Request(request_id, list(prompt_ids), params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -170,11 +142,19 @@ class EngineCore:
                 seq.first_scheduled_time = now
             if seq.num_output_tokens < seq.params.min_tokens:
                 banned[seq.seq_id] = self._min_tokens_ban(seq)
-        pending = self.runner.launch(batch, banned)
+        decode = all(
+            n == 1 and s.num_computed_tokens + 1 == s.num_tokens
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        )
+        graph = self.worker.decode_graph_size(len(batch)) if decode else 0
+        step, seqs = build_step(
+            batch, self.config.engine.block_size, graph, banned, self.vocab_size
+        )
+        pending = self.worker.launch(step)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
         positions = []
-        for row, seq in enumerate(pending.seqs):
+        for row, seq in enumerate(seqs):
             positions.append(seq.num_tokens)
             seq.token_ids.append(-(row + 1))
             max_tokens = seq.params.max_tokens
@@ -182,14 +162,14 @@ class EngineCore:
                 max_tokens is not None and seq.num_output_tokens >= max_tokens
             ) or seq.num_tokens >= self.max_model_len:
                 seq.stopping = True
-        return _Inflight(pending, positions)
+        return _Inflight(pending, seqs, positions)
 
     def _collect(self, inflight: _Inflight) -> list[SeqUpdate]:
         result = inflight.pending.result()
         now = time.monotonic()
         updates: list[SeqUpdate] = []
         for seq, pos, token, lp in zip(
-            result.seqs, inflight.positions, result.token_ids, result.logprobs, strict=True
+            inflight.seqs, inflight.positions, result.token_ids, result.logprobs, strict=True
         ):
             if seq.is_finished:  # aborted, or ended by the step before: an extra row
                 continue

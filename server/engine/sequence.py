@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from kvscale.server.sampling_params import SamplingParams
 
 
@@ -34,7 +32,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

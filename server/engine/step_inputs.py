@@ -1,13 +1,11 @@
-"""Host-side inputs of one model step, as numpy arrays (no torch, no device).
+"""The driver's half of a step: a scheduled batch becomes a ``StepInput`` (plain arrays,
+see ``worker.step`` for their meaning), the only thing the worker is given.
 
-The scheduler's batch becomes one flat token stream: ``ids``, ``positions`` and cache
-``slots`` per new token; ``q_start`` (cumulative new-token offsets), ``seq_lens`` and
-padded ``tables`` per sequence; ``logits_idx``, the rows of the stream whose logits are
-sampled (the last token of each sequence whose prompt is then fully in the cache).
-
-Token ids may be negative placeholders, ``-(r + 1)``: "the token sampled in row ``r`` of
-the previous step", still on the device when this step is prepared (see
-``resolve_placeholders``).
+``plan_step`` flattens the batch's new tokens into one stream (ids, positions, cache
+slots, per-sequence offsets and block tables, and the rows that sample: the last token
+of each sequence whose prompt is then fully in the cache); ``build_step`` adds the
+sampling inputs of those rows (parameters, banned tokens, penalty histories and
+per-row seeds) and wraps it all up.
 """
 
 from __future__ import annotations
@@ -15,17 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvscale.server.engine.scheduler import ScheduledBatch
+from kvscale.server.engine.sequence import Sequence
+from kvscale.server.layers.sampler import row_seed
+from kvscale.server.worker.step import SamplingPlan, StepInput
 
 
 @dataclass
 class StepPlan:
     arrays: dict[str, np.ndarray]
     sample_rows: list[int]  # batch indices that sample, in batch order
-    q_starts: list[int]  # [B+1]
-    seq_lens: list[int]  # [B]
     max_query_len: int
     max_seq_len: int
 
@@ -84,8 +82,6 @@ def plan_step(batch: ScheduledBatch, block_size: int, pad_to: int = 0) -> StepPl
     return StepPlan(
         arrays=arrays,
         sample_rows=sample_rows,
-        q_starts=q_starts,
-        seq_lens=seq_lens,
         max_query_len=max(batch.num_new_tokens),
         max_seq_len=max(seq_lens),
     )
@@ -100,8 +96,74 @@ def padded_rows(rows: list[list[int]], pad: int) -> np.ndarray:
     return out
 
 
-def resolve_placeholders(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
-    """``ids`` with each placeholder ``-(r + 1)`` replaced by ``last_tokens[r]`` (on the
-    device, without a sync); other ids pass through."""
-    rows = (-ids - 1).clamp_(min=0)
-    return torch.where(ids < 0, last_tokens[rows], ids)
+def build_step(
+    batch: ScheduledBatch,
+    block_size: int,
+    graph_size: int,
+    banned: dict[int, list[int]],
+    vocab_size: int,
+) -> tuple[StepInput, list[Sequence]]:
+    """The step of ``batch`` and its sampling sequences (in sampling-row order).
+    ``graph_size`` > 0: a decode step padded to that captured graph's rows.
+    ``banned[seq_id]``: tokens that sequence may not sample now (EOS before min_tokens)."""
+    plan = plan_step(batch, block_size, graph_size)
+    seqs = [batch.seqs[b] for b in plan.sample_rows]
+    sampling = sampling_inputs(seqs, banned, vocab_size, plan.arrays)
+    step = StepInput(
+        plan.arrays, len(batch), plan.max_query_len, plan.max_seq_len, graph_size, sampling
+    )
+    return step, seqs
+
+
+def sampling_inputs(
+    seqs: list[Sequence],
+    banned: dict[int, list[int]],
+    vocab_size: int,
+    arrays: dict[str, np.ndarray],
+) -> SamplingPlan:
+    """Adds the sampling arrays of ``seqs`` (one row each) to ``arrays``; returns what the
+    host knows of them."""
+    ps = [s.params for s in seqs]
+    arrays["sampling"] = np.array(
+        [
+            (
+                p.temperature,
+                p.top_k,
+                p.top_p,
+                p.min_p,
+                p.greedy,
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+            )
+            for p in ps
+        ],
+        dtype=np.float32,
+    ).reshape(len(ps), 8)
+    ban_rows: list[int] = []
+    ban_cols: list[int] = []
+    for row, seq in enumerate(seqs):
+        ban = banned.get(seq.seq_id)
+        if ban:
+            ban_rows.extend([row] * len(ban))
+            ban_cols.extend(ban)
+    if ban_rows:
+        arrays["ban_rows"] = np.array(ban_rows, dtype=np.int64)
+        arrays["ban_cols"] = np.array(ban_cols, dtype=np.int64)
+    do_pen = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps)
+    if do_pen:
+        # pad id = vocab, a spare last column; output ids may hold placeholders
+        arrays["prompt_ids"] = padded_rows([s.prompt_token_ids for s in seqs], vocab_size)
+        arrays["output_ids"] = padded_rows([s.output_token_ids for s in seqs], vocab_size)
+    return SamplingPlan(
+        seeds=[
+            None if s.params.seed is None else row_seed(s.params.seed, s.num_output_tokens)
+            for s in seqs
+        ],
+        logprobs=[p.logprobs for p in ps],
+        all_greedy=all(p.greedy for p in ps),
+        do_top_k=any(p.top_k > 0 for p in ps),
+        do_top_p_min_p=any(p.top_p < 1 or p.min_p > 0 for p in ps),
+        do_penalties=do_pen,
+        ban=bool(ban_rows),
+    )

@@ -1,9 +1,10 @@
 """The attention layer: writes new K/V into this layer's paged cache, then attends.
 
-Under ``torch.compile`` the attention call is one opaque custom op,
-``kvscale::paged_attention``, so that Inductor compiles the rest of each layer (norms,
-projections, rotary, MLP) around it and attention stays on the backend's kernels: the
-piecewise split SGLang and vLLM use.
+The layer holds its ``LayerKV`` (bound by the worker's ``KVPool``) and calls the step's
+attention backend (the forward context). Under ``torch.compile`` the call is one opaque
+custom op, ``kvscale::paged_attention``, so that Inductor compiles the rest of each
+layer (norms, projections, rotary, MLP) around it and attention stays on the backend's
+kernels: the piecewise split SGLang and vLLM use.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvscale.server.forward_context import get_forward_context
+from kvscale.server.attention.forward_context import get_forward_context
+from kvscale.server.worker.kv_pool import LayerKV
 
 
 @torch.library.custom_op("kvscale::paged_attention", mutates_args=("k_cache", "v_cache"))
@@ -21,13 +23,16 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """``q [T, Hq, D]``, ``k, v [T, Hk, D]`` -> ``[T, Hq, D]`` through the current step's
     attention backend and metadata (the forward context)."""
     ctx = get_forward_context()
-    ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.attn)
-    return ctx.backend.attend(q, k_cache, v_cache, ctx.attn, scale)
+    kv = LayerKV(k_cache, v_cache, k_scale, v_scale)
+    ctx.backend.write_kv(k, v, kv, ctx.attn)
+    return ctx.backend.attend(q, kv, ctx.attn, scale)
 
 
 @paged_attention.register_fake
@@ -37,17 +42,15 @@ def _(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 class Attention(nn.Module):
-    """``q [T, Hq*D]``, ``k, v [T, Hk*D]`` -> ``[T, Hq*D]``.
-
-    The model runner binds ``k_cache``/``v_cache`` (``[num_blocks, block_size, Hk, D]``)
-    after allocating the KV pool.
-    """
+    """``q [T, Hq*D]``, ``k, v [T, Hk*D]`` -> ``[T, Hq*D]`` (this rank's heads)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -55,17 +58,21 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self.kv: LayerKV | None = None  # bound by KVPool.bind
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        kv = self.kv
+        if kv is None:
+            raise RuntimeError("attention layer has no KV cache bound (KVPool.bind)")
         if torch.compiler.is_compiling():
-            out = torch.ops.kvscale.paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+            out = torch.ops.kvscale.paged_attention(
+                q, k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, self.scale
+            )
         else:
             ctx = get_forward_context()
-            ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.attn)
-            out = ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.attn, self.scale)
+            ctx.backend.write_kv(k, v, kv, ctx.attn)
+            out = ctx.backend.attend(q, kv, ctx.attn, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)

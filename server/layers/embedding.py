@@ -6,18 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvscale.server.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from kvscale.server.parallel import ParallelState
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token ids ``[T] int64`` -> embeddings ``[T, dim]``."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelState) -> None:
         super().__init__()
-        tp = tp_size()
+        tp = parallel.world_size
+        self.parallel = parallel
         self.num_embeddings = num_embeddings
         self.per_rank = (num_embeddings + tp - 1) // tp
-        self.vocab_start = tp_rank() * self.per_rank
+        self.vocab_start = parallel.rank * self.per_rank
         self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -35,12 +36,12 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if self.parallel.world_size == 1:
             return F.embedding(ids, self.weight)
         mask = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(mask, ids - self.vocab_start, 0)
         out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(out)
+        return self.parallel.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -48,5 +49,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
-        logits = all_gather_last_dim(logits)
+        logits = self.parallel.all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

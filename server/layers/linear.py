@@ -1,33 +1,59 @@
-"""Linear layers that shard across the tensor-parallel group (world size 1 for now).
+"""Linear layers sharded over the tensor-parallel group, each run by a linear method.
 
-Weights are ``[out_features_per_rank, in_features_per_rank]`` like ``nn.Linear``. Each
-parameter carries a ``weight_loader(param, full_tensor, shard_id=None)`` that copies
-this rank's slice of a full checkpoint tensor into it.
+A layer knows its logical shape and how it is split across ranks; its ``LinearMethod``
+(dense, or a quantized format) creates the parameters for this rank's shard and runs the
+matmul. Every parameter carries ``weight_loader(param, full_tensor, shard_id=None)``,
+which copies this rank's slice of a checkpoint tensor, and sharding metadata
+(``output_dim``, ``input_dim``, ``packed_dim``/``pack_factor``: see
+``quantization.base.set_weight_attrs``), so the loaders work for every method's tensors.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvscale.server.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from kvscale.server.parallel import ParallelState
+from kvscale.server.quantization import DenseLinearMethod, LinearMethod, set_weight_attrs
 
 
-def _divide(n: int, d: int, what: str) -> int:
-    if n % d:
-        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}")
-    return n // d
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"tensor shape {tuple(src.shape)} does not match {tuple(dst.shape)}")
+    dst.copy_(src)
 
 
-class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+def _stored(param: nn.Parameter, dim: int, logical: int) -> int:
+    """``logical`` elements along ``dim`` of ``param`` in stored units (packing applied)."""
+    if getattr(param, "packed_dim", None) == dim:
+        return logical // param.pack_factor  # type: ignore[attr-defined]
+    return logical
+
+
+class LinearBase(nn.Module):
+    """``x [T, in]`` -> ``[T, out]`` for this rank's ``[out_per_rank, in_per_rank]`` shard."""
+
+    def __init__(
+        self,
+        in_per_rank: int,
+        out_per_rank: int,
+        bias: bool,
+        parallel: ParallelState,
+        method: LinearMethod | None,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.parallel = parallel
+        self.in_per_rank = in_per_rank
+        self.out_per_rank = out_per_rank
+        self.linear_method = method or DenseLinearMethod()
+        self.linear_method.create_weights(
+            self, in_per_rank, out_per_rank, torch.get_default_dtype()
+        )
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            b = nn.Parameter(torch.empty(out_per_rank), requires_grad=False)
+            self.bias = set_weight_attrs(b, output_dim=0, weight_loader=self.weight_loader)
         else:
             self.register_parameter("bias", None)
 
@@ -37,38 +63,59 @@ class _Linear(nn.Module):
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"tensor shape {tuple(src.shape)} does not match {tuple(dst.shape)}")
-    dst.copy_(src)
-
-
-class ReplicatedLinear(_Linear):
+class ReplicatedLinear(LinearBase):
     """The full weight on every rank."""
 
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        parallel: ParallelState,
+        method: LinearMethod | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, parallel, method)
 
-class ColumnParallelLinear(_Linear):
-    """Splits the output dimension: rank r holds rows ``[r*n/tp, (r+1)*n/tp)``."""
+
+class ColumnParallelLinear(LinearBase):
+    """Splits the output dimension: rank r holds outputs ``[r*n/tp, (r+1)*n/tp)``."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        parallel: ParallelState,
+        method: LinearMethod | None = None,
+        gather_output: bool = False,
     ) -> None:
-        self.tp = tp_size()
-        super().__init__(in_features, _divide(out_features, self.tp, "out_features"), bias)
+        out = parallel.shard(out_features, "out_features")
+        super().__init__(in_features, out, bias, parallel, method)
         self.gather_output = gather_output
+
+    def _load_rows(
+        self, param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int, rank: int
+    ) -> None:
+        """Copies rows ``[rank*size, (rank+1)*size)`` of the checkpoint's output dimension
+        into this shard's rows ``[offset, offset+size)`` (logical units)."""
+        dim = getattr(param, "output_dim", None)
+        if dim is None:  # not split (a per-tensor scale): every shard carries the same
+            _copy_checked(param.data, loaded)
+            return
+        off, n = _stored(param, dim, offset), _stored(param, dim, size)
+        _copy_checked(param.data.narrow(dim, off, n), loaded.narrow(dim, rank * n, n))
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        size = param.data.shape[0]
-        _copy_checked(param.data, loaded.narrow(0, tp_rank() * size, size))
+        self._load_rows(param, loaded, 0, self.out_per_rank, self.parallel.rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return all_gather_last_dim(y) if self.gather_output else y
+        y = self.linear_method.apply(self, x, self.bias)
+        return self.parallel.all_gather_last_dim(y) if self.gather_output else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -77,18 +124,26 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ``shard_id`` is the index of the output in ``output_sizes``.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        parallel: ParallelState,
+        method: LinearMethod | None = None,
+    ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, parallel, method)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        assert isinstance(shard_id, int)
-        offset = sum(self.output_sizes[:shard_id]) // self.tp
-        size = self.output_sizes[shard_id] // self.tp
-        dst = param.data.narrow(0, offset, size)
-        _copy_checked(dst, loaded.narrow(0, tp_rank() * size, size))
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be an index of {self.output_sizes}, got {shard_id!r}")
+        tp = self.parallel.world_size
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        self._load_rows(param, loaded, offset, size, self.parallel.rank)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -100,56 +155,66 @@ class QKVParallelLinear(ColumnParallelLinear):
         head_dim: int,
         num_heads: int,
         num_kv_heads: int,
-        bias: bool = False,
+        bias: bool,
+        parallel: ParallelState,
+        method: LinearMethod | None = None,
     ) -> None:
-        tp = tp_size()
+        tp = parallel.world_size
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        self.num_heads = parallel.shard(num_heads, "num_attention_heads")
         # KV heads are replicated when there are fewer of them than ranks.
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
         out = (num_heads + 2 * self.num_kv_heads * tp) * head_dim
-        super().__init__(hidden_size, out, bias)
+        super().__init__(hidden_size, out, bias, parallel, method)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        rank = self.parallel.rank
         if shard_id == "q":
-            offset, size, rank = 0, q_size, tp_rank()
+            self._load_rows(param, loaded, 0, q_size, rank)
         elif shard_id == "k":
-            offset, size, rank = q_size, kv_size, tp_rank() // self.kv_replicas
+            self._load_rows(param, loaded, q_size, kv_size, rank // self.kv_replicas)
         elif shard_id == "v":
-            offset, size, rank = q_size + kv_size, kv_size, tp_rank() // self.kv_replicas
+            self._load_rows(param, loaded, q_size + kv_size, kv_size, rank // self.kv_replicas)
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        dst = param.data.narrow(0, offset, size)
-        _copy_checked(dst, loaded.narrow(0, rank * size, size))
 
 
-class RowParallelLinear(_Linear):
-    """Splits the input dimension; partial outputs are summed over ranks, then bias added."""
+class RowParallelLinear(LinearBase):
+    """Splits the input dimension; partial outputs are summed over ranks, then bias added
+    (once, after the sum)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        parallel: ParallelState,
+        method: LinearMethod | None = None,
+        reduce_results: bool = True,
     ) -> None:
-        super().__init__(_divide(in_features, tp_size(), "in_features"), out_features, bias)
+        in_per_rank = parallel.shard(in_features, "in_features")
+        super().__init__(in_per_rank, out_features, bias, parallel, method)
         self.reduce_results = reduce_results
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        if param.dim() == 1:  # bias: not sharded
+        dim = getattr(param, "input_dim", None)
+        if dim is None:  # bias, per-tensor scales: not split
             _copy_checked(param.data, loaded)
             return
-        size = param.data.shape[1]
-        _copy_checked(param.data, loaded.narrow(1, tp_rank() * size, size))
+        size = param.data.shape[dim]  # stored units, packing or grouping included
+        _copy_checked(param.data, loaded.narrow(dim, self.parallel.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.linear_method.apply(self, x, None)
         if self.reduce_results:
-            y = all_reduce(y)
+            y = self.parallel.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -150,3 +150,31 @@ def top_logprobs(
     sampled_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1)
     rank = (lp > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
     return top_ids, top_lp, sampled_lp, rank
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of the draw for output token ``index`` (0-based) of a sequence seeded with
+    ``seed``: splitmix64 of both, so every draw of a seeded sequence is fixed by the seed
+    and the token's index alone, whatever step, batch or rank computes it. In [0, 2**63)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def seeded_generators(
+    seeds: list[int | None], device: torch.device
+) -> list[torch.Generator | None]:
+    """A fresh generator per seeded row (``row_seed`` values), None for the others."""
+    gens: list[torch.Generator | None] = []
+    for s in seeds:
+        if s is None:
+            gens.append(None)
+        else:
+            g = torch.Generator(device=device)
+            g.manual_seed(s)
+            gens.append(g)
+    return gens

@@ -3,6 +3,8 @@
 The three differ only in flags of ``ModelConfig``: q/k/v bias (Qwen2), tied
 embeddings, rope scaling, GQA ratio. Input is the step's flattened tokens
 (``input_ids [T] int64``, ``positions [T] int64``); output hidden states ``[T, H]``.
+Every layer is built for one rank (``ParallelState``) and takes its linear method from
+the checkpoint's quantization (``QuantizationConfig``, None: dense) by its name.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvscale.server.config import CheckpointError, ModelConfig
 from kvscale.server.layers.activation import SiluAndMul
 from kvscale.server.layers.attention import Attention
 from kvscale.server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -22,21 +25,44 @@ from kvscale.server.layers.linear import (
     RowParallelLinear,
 )
 from kvscale.server.layers.rotary import RotaryEmbedding
-from kvscale.server.model_config import CheckpointError, ModelConfig
+from kvscale.server.parallel import ParallelState
+from kvscale.server.quantization import LinearMethod, QuantizationConfig
+
+
+def _method(quant: QuantizationConfig | None, prefix: str) -> LinearMethod | None:
+    return quant.linear_method(prefix) if quant is not None else None
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: ParallelState,
+        quant: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.qkv_bias,
+            parallel,
+            _method(quant, f"{prefix}.qkv_proj"),
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim,
+            cfg.hidden_size,
+            cfg.o_bias,
+            parallel,
+            _method(quant, f"{prefix}.o_proj"),
+        )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -54,13 +80,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: ParallelState,
+        quant: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [size, size], bias=cfg.mlp_bias
+            cfg.hidden_size,
+            [size, size],
+            cfg.mlp_bias,
+            parallel,
+            _method(quant, f"{prefix}.gate_up_proj"),
         )
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            size, cfg.hidden_size, cfg.mlp_bias, parallel, _method(quant, f"{prefix}.down_proj")
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,10 +106,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: ParallelState,
+        quant: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, parallel, quant, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, parallel, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -89,10 +133,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, parallel: ParallelState, quant: QuantizationConfig | None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, parallel, quant, f"model.layers.{i}")
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -115,11 +164,16 @@ _STACKED = (
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: ParallelState,
+        quant: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model = LlamaModel(cfg, parallel, quant)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

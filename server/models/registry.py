@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kvscale.server.model_config import ModelConfig
+from kvscale.server.config import ModelConfig
 from kvscale.server.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {

@@ -84,7 +84,7 @@ def test_kv_pool_sized_from_gpu_memory(checkpoint_factory: Callable[..., Path]) 
     path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
     llm = LLM(str(path), device="cuda", gpu_memory_utilization=0.5)
     _free, total = torch.cuda.mem_get_info()
-    pool = llm.engine.runner.num_kv_blocks * llm.engine.runner.bytes_per_block
+    pool = llm.engine.worker.num_kv_blocks * llm.engine.worker.bytes_per_block
     assert 0.3 * total < pool < 0.5 * total
     out = llm.generate(PROMPTS[:2], GREEDY)
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
@@ -95,8 +95,8 @@ def test_cuda_graphs_match_eager(checkpoint_factory: Callable[..., Path]) -> Non
     path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
     eager, _ = _run(path, "triton", "float32", enforce_eager=True, **STRESS)
     graphs, llm = _run(path, "triton", "float32", cuda_graph_max_batch=16, **STRESS)
-    assert llm.engine.runner.graphs is not None
-    assert llm.engine.runner.graphs.batch_sizes == [1, 2, 4, 8, 16]
+    assert llm.engine.worker.graphs is not None
+    assert llm.engine.worker.graphs.batch_sizes == [1, 2, 4, 8, 16]
     assert graphs == eager
 
 
@@ -141,18 +141,18 @@ def test_steps_launch_without_a_device_sync(checkpoint_factory: Callable[..., Pa
         SamplingParams(temperature=0.5, logprobs=3, min_tokens=5, max_tokens=20),
     ]
     llm.generate(PROMPTS[:4], mixed)  # warm-up: kernel compilation may sync
-    launch = eng.runner.launch
+    launch = eng.worker.launch
     graph_steps = []
 
-    def strict_launch(batch, banned):  # type: ignore[no-untyped-def]
-        graph_steps.append(all(n == 1 for n in batch.num_new_tokens))
+    def strict_launch(step):  # type: ignore[no-untyped-def]
+        graph_steps.append(step.max_query_len == 1)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(batch, banned)
+            return launch(step)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    eng.runner.launch = strict_launch  # type: ignore[method-assign]
+    eng.worker.launch = strict_launch  # type: ignore[method-assign]
     outs = llm.generate(PROMPTS[:12], [mixed[i % 4] for i in range(12)])
     lens = [len(o.outputs[0].token_ids) for o in outs]
     assert all(n == 20 if i % 4 < 3 else 5 <= n <= 20 for i, n in enumerate(lens))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvscale.server.engine.engine_core import EngineCore
-from kvscale.server.engine_process import run_engine_process
+from kvscale.server.process.engine_process import run_engine_process
 
 
 def run_with_failing_third_step(*args: Any) -> None:
@@ -99,7 +99,7 @@ class InstantCore:
 
 def run_instant_engine(*args: Any) -> None:
     """The real engine process loop around ``InstantCore`` (no model)."""
-    import kvscale.server.engine_process as ep
+    import kvscale.server.process.engine_process as ep
 
     ep.EngineCore = InstantCore  # type: ignore[misc,assignment]
     ep.run_engine_process(*args)

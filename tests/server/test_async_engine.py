@@ -14,14 +14,14 @@ import pytest
 
 from kvscale.server import LLM
 from kvscale.server.api.metrics import ServerMetrics
-from kvscale.server.async_engine import (
+from kvscale.server.config import EngineConfig
+from kvscale.server.process.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineRequest,
     EngineStepError,
     QueueFullError,
 )
-from kvscale.server.config import EngineConfig
 from kvscale.server.sampling_params import SamplingParams
 
 from .engine_faults import run_failing_to_load, run_instant_engine, run_with_failing_third_step

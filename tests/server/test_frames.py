@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from kvscale.server.frames import FrameBuffer, encode_message, write_message
+from kvscale.server.process.frames import FrameBuffer, encode_message, write_message
 
 MESSAGES = [("ready", {"a": 1}), ("step", [("r", 0, 7, None)] * 50, 1.5), ("stats",), "x" * 70000]
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from kvscale.server.attention.backend import AttentionBackend
+from kvscale.server.attention.forward_context import forward_context
 from kvscale.server.attention.metadata import AttentionMetadata
-from kvscale.server.engine.step_inputs import resolve_placeholders
-from kvscale.server.forward_context import forward_context
+from kvscale.server.worker.step import resolve_placeholders
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,6 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bs],
             max_query_len=1,
             max_seq_len=self.max_blocks * self.block_size,
-            query_start_loc_cpu=list(range(bs + 1)),
-            seq_lens_cpu=[1] * bs,
         )
 
     def _forward(self, bs: int) -> torch.Tensor:

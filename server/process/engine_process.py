@@ -3,19 +3,12 @@
 The API process (HTTP, tokenization, detokenization, SSE) and the engine process
 (scheduler, model runner, sampler) each have their own interpreter, so HTTP streaming
 and detokenization never hold the lock the engine loop needs, and the two run on two
-cores. Commands arrive on a ``multiprocessing`` pipe; outputs leave as frames
-(``frames``) on another, which the API process reads on its event loop. Messages are
-pickled tuples:
-
-- to the engine: ``("add", request_id, prompt_ids, params, arrival_time)``,
-  ``("abort", request_id)``, ``("finish", request_id, index)`` (a stop string ended that
-  sample), ``("shutdown",)``.
-- from the engine: ``("ready", info)`` or ``("failed", message)`` once, after loading;
-  then ``("step", updates, stats, now, added)`` after every step,
-  ``("stats", stats, now, added)`` about once a second when idle,
-  ``("error", request_ids, message)`` when a step failed (those requests are dropped),
-  ``("refused", request_id, message)`` for an add the engine could not queue.
-  ``added`` counts the sequences queued since the previous message.
+cores. Commands arrive on a ``multiprocessing`` pipe; reports leave as frames
+(``frames``) on another, which the API process reads on its event loop. The messages
+are the typed classes of ``messages``: ``Ready`` or ``LoadFailed`` once, after loading;
+then ``StepDone`` after every step, ``Idle`` about once a second when idle,
+``StepFailed`` when a step raised (those requests are dropped) and ``Refused`` for an
+``AddRequest`` the engine could not queue.
 
 The process ignores SIGINT and SIGTERM (the API process drains, then stops it) and dies
 with its parent (``PR_SET_PDEATHSIG`` on Linux; a closed pipe elsewhere).
@@ -29,12 +22,24 @@ import signal
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Any
 
-from kvscale.server.config import EngineConfig
+from kvscale.server.config import ResolvedConfig
 from kvscale.server.engine.engine_core import EngineCore
-from kvscale.server.frames import write_message
-from kvscale.server.model_config import ModelConfig
+from kvscale.server.process.frames import write_message
+from kvscale.server.process.messages import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    FinishSequence,
+    Idle,
+    LoadFailed,
+    Ready,
+    Refused,
+    Report,
+    Shutdown,
+    StepDone,
+    StepFailed,
+)
 
 log = logging.getLogger("kvscale.engine")
 
@@ -60,7 +65,7 @@ class CoreLoop:
         try:
             while not self._stop:
                 if not core.has_work() and not conn.poll(IDLE_WAIT_S):
-                    self._send(("stats", core.stats(), time.monotonic(), self._take_added()))
+                    self._send(Idle(core.stats(), time.monotonic(), self._take_added()))
                     last_report = time.monotonic()
                     continue
                 while conn.poll(0):
@@ -71,7 +76,7 @@ class CoreLoop:
                     self._step()
                     last_report = time.monotonic()
                 elif time.monotonic() - last_report > IDLE_WAIT_S:
-                    self._send(("stats", core.stats(), time.monotonic(), self._take_added()))
+                    self._send(Idle(core.stats(), time.monotonic(), self._take_added()))
                     last_report = time.monotonic()
         except (EOFError, OSError):  # the API process is gone
             log.info("engine pipe closed; stopping")
@@ -80,27 +85,26 @@ class CoreLoop:
         n, self._added = self._added, 0
         return n
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send(self, msg: Report) -> None:
         write_message(self.out_fd, msg)
 
-    def _handle(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "add":
-            _, rid, prompt_ids, params, arrival = msg
-            try:
-                self.core.add_request(rid, prompt_ids, params, arrival)
-                self._added += params.n
-            except Exception as e:  # the API process validates first: this is rare
-                log.exception("cannot queue request %s", rid)
-                self._send(("refused", rid, f"{type(e).__name__}: {e}"))
-        elif kind == "abort":
-            self.core.abort_request(msg[1])
-        elif kind == "finish":
-            self.core.finish_sequence(msg[1], msg[2])
-        elif kind == "shutdown":
-            self._stop = True
-        else:
-            log.error("unknown engine command %r", kind)
+    def _handle(self, msg: Command) -> None:
+        match msg:
+            case AddRequest(rid, prompt_ids, params, arrival):
+                try:
+                    self.core.add_request(rid, prompt_ids, params, arrival)
+                    self._added += params.n
+                except Exception as e:  # the API process validated it: this is rare
+                    log.exception("cannot queue request %s", rid)
+                    self._send(Refused(rid, f"{type(e).__name__}: {e}"))
+            case AbortRequest(rid):
+                self.core.abort_request(rid)
+            case FinishSequence(rid, index):
+                self.core.finish_sequence(rid, index)
+            case Shutdown():
+                self._stop = True
+            case _:
+                log.error("unknown engine command %r", msg)
 
     def _step(self) -> None:
         core = self.core
@@ -110,9 +114,9 @@ class CoreLoop:
             self.num_step_errors += 1
             log.exception("engine step failed; failing the requests in flight")
             rids = core.abort_all()
-            self._send(("error", rids, f"engine step failed: {e}"))
+            self._send(StepFailed(rids, f"engine step failed: {e}"))
             return
-        self._send(("step", updates, core.stats(), time.monotonic(), self._take_added()))
+        self._send(StepDone(updates, core.stats(), time.monotonic(), self._take_added()))
 
 
 def _die_with_parent() -> None:
@@ -125,16 +129,14 @@ def _die_with_parent() -> None:
 
 
 def run_engine_process(
-    config: EngineConfig,
-    eos_token_ids: set[int],
-    max_model_len: int,
+    config: ResolvedConfig,
     conn: Connection,
     out: Connection,
     log_level: str = "INFO",
 ) -> None:
-    """The engine process's entry point: loads the model, reports on ``out`` (the write
-    end of a one-way pipe, used as a file descriptor), then serves the commands of
-    ``conn``."""
+    """The engine process's entry point: builds the engine core (worker and model) from
+    ``config``, reports on ``out`` (the write end of a one-way pipe, used as a file
+    descriptor), then serves the commands of ``conn``."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -145,24 +147,22 @@ def run_engine_process(
     )
     out_fd = out.fileno()
     try:
-        model_config = ModelConfig.from_path(config.model)
-        core = EngineCore(config, model_config, eos_token_ids, max_model_len)
+        core = EngineCore(config)
     except BaseException as e:
         try:
-            write_message(out_fd, ("failed", f"{type(e).__name__}: {e}"))
+            write_message(out_fd, LoadFailed(f"{type(e).__name__}: {e}"))
         except OSError:
             pass
         return
     info = {
-        "architecture": model_config.architecture,
+        "architecture": config.model.architecture,
         "device": str(core.device),
         "dtype": str(core.dtype).removeprefix("torch."),
         "num_kv_blocks": core.block_manager.num_blocks,
-        "block_size": config.block_size,
-        "stats": core.stats(),
+        "block_size": config.engine.block_size,
     }
     try:
-        write_message(out_fd, ("ready", info))
+        write_message(out_fd, Ready(info, core.stats()))
     except OSError:
         return
     CoreLoop(core, conn, out_fd).run()

@@ -1,10 +1,12 @@
 """The API server's side of the engine: the engine process, and outputs as asyncio streams.
 
-``AsyncEngine`` loads the tokenizer and model config (for validation), starts the engine
-process (``engine_process``) and talks to it over two one-way pipes: a sender thread
-writes commands (blocking writes); the event loop itself reads each step's token
-updates as they arrive (``frames``: no thread to hand over to, so no lock ping-pong,
-and a partly written message never blocks the loop), the ``OutputProcessor``
+``AsyncEngine`` loads the tokenizer, resolves the configuration once (``ResolvedConfig``,
+handed whole to the engine process), validates requests (the engine's one validation
+point), starts the engine process (``engine_process``) and talks to it over two one-way
+pipes with the typed ``messages``: a sender thread writes commands (blocking writes);
+the event loop itself reads each step's token updates as they arrive (``frames``: no
+thread to hand over to, so no lock ping-pong, and a partly written message never
+blocks the loop), the ``OutputProcessor``
 detokenizes them and each ``RequestGroup`` gets its requests' latest outputs. Neither
 the HTTP layer nor detokenization runs in the engine's interpreter, so they never
 stall the engine loop, and the event loop never waits on model compute.
@@ -27,20 +29,31 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Protocol
 
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.core_outputs import EngineStats, SeqUpdate
-from kvscale.server.engine.llm_engine import eos_token_ids
 from kvscale.server.engine.output_processor import OutputProcessor
-from kvscale.server.engine.request import check_params, check_prompt
-from kvscale.server.engine_process import run_engine_process
-from kvscale.server.frames import MessageProtocol
-from kvscale.server.model_config import ModelConfig
+from kvscale.server.engine.request import validate_request
+from kvscale.server.errors import InvalidRequestError
 from kvscale.server.outputs import RequestOutput
+from kvscale.server.process.engine_process import run_engine_process
+from kvscale.server.process.frames import MessageProtocol
+from kvscale.server.process.messages import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    FinishSequence,
+    Idle,
+    LoadFailed,
+    Ready,
+    Refused,
+    Report,
+    Shutdown,
+    StepDone,
+    StepFailed,
+)
 from kvscale.server.sampling_params import SamplingParams
-from kvscale.server.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +179,9 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.observer = observer
         self.log_level = log_level
-        self.model_config = ModelConfig.from_path(config.model)
-        self.max_model_len = config.resolve_max_model_len(self.model_config)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.eos_token_ids = eos_token_ids(Path(config.model), self.model_config, self.tokenizer)
+        self.resolved, self.tokenizer = config.load()
+        self.model_config = self.resolved.model
+        self.max_model_len = self.resolved.max_model_len
         self.processor = OutputProcessor(self.tokenizer, stream=True)
         self.info: dict[str, Any] = {}
         self.heartbeat = time.monotonic()
@@ -181,8 +193,8 @@ class AsyncEngine:
         self._proc: Any = None
         self._conn: Connection | None = None  # commands to the engine (sender thread)
         self._transport: asyncio.BaseTransport | None = None  # the engine's outputs
-        self._first: asyncio.Future[tuple[Any, ...]] | None = None
-        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._first: asyncio.Future[Report | None] | None = None
+        self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._running = False
 
     # ---- read-only helpers ----------------------------------------------------------------
@@ -197,10 +209,6 @@ class AsyncEngine:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
-        """Raises ValueError naming what is wrong with a tokenized prompt."""
-        check_prompt(prompt_ids, self.vocab_size, self.max_model_len)
-
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
         """Starts the engine process and waits until its model is loaded; returns its
@@ -211,14 +219,7 @@ class AsyncEngine:
         out_recv, out_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=self.process_target,
-            args=(
-                self.config,
-                self.eos_token_ids,
-                self.max_model_len,
-                cmd_recv,
-                out_send,
-                self.log_level,
-            ),
+            args=(self.resolved, cmd_recv, out_send, self.log_level),
             name="kvscale-engine",
             daemon=True,
         )
@@ -234,20 +235,19 @@ class AsyncEngine:
                 lambda: MessageProtocol(self._on_message, self._on_pipe_closed), pipe
             )
             msg = await self._first
-            if msg[0] == "closed":
+            if msg is None:  # the pipe closed before a word
                 await asyncio.to_thread(self._proc.join, STOP_TIMEOUT_S)
-                msg = (
-                    "failed",
-                    f"the engine process exited (code {self._proc.exitcode}) while loading",
+                msg = LoadFailed(
+                    f"the engine process exited (code {self._proc.exitcode}) while loading"
                 )
         except BaseException:
             self.shutdown(timeout=1.0)
             raise
-        if msg[0] != "ready":
+        if not isinstance(msg, Ready):
             self.shutdown(timeout=1.0)
-            raise RuntimeError(msg[1])
-        self.info = msg[1]
-        self._stats = self.info["stats"]
+            raise RuntimeError(msg.message if isinstance(msg, LoadFailed) else repr(msg))
+        self.info = msg.info
+        self._stats = msg.stats
         self.heartbeat = time.monotonic()
         self._running = True
         threading.Thread(target=self._send_loop, name="kvscale-engine-tx", daemon=True).start()
@@ -260,11 +260,11 @@ class AsyncEngine:
         if proc is None:
             return
         if started:  # the sender thread says it, after what is already queued
-            self._outbox.put(("shutdown",))
+            self._outbox.put(Shutdown())
             self._outbox.put(None)
         elif self._conn is not None:
             try:
-                self._conn.send(("shutdown",))
+                self._conn.send(Shutdown())
             except OSError:
                 pass
         proc.join(timeout)
@@ -301,18 +301,17 @@ class AsyncEngine:
     ) -> RequestGroup:
         """Validates and queues requests; returns their group at once.
 
-        Raises ValueError for bad input, EngineDeadError if the engine is not running
-        and QueueFullError if ``max_queue_len`` sequences are already waiting; nothing
-        is queued then.
+        Raises InvalidRequestError for bad input, EngineDeadError if the engine is not
+        running and QueueFullError if ``max_queue_len`` sequences are already waiting;
+        nothing is queued then.
         """
         if not self.is_alive():
             raise EngineDeadError("the engine is not running")
         rids = [r.request_id for r in requests]
         if len(set(rids)) != len(rids) or any(r in self._groups for r in rids):
-            raise ValueError("request ids must be unique")
+            raise InvalidRequestError("request ids must be unique")
         for r in requests:
-            check_prompt(r.prompt_token_ids, self.vocab_size, self.max_model_len)
-            check_params(r.params, self.vocab_size)
+            validate_request(r.prompt_token_ids, r.params, self.vocab_size, self.max_model_len)
         waiting = self.num_waiting
         if self.max_queue_len is not None and waiting >= self.max_queue_len:
             raise QueueFullError(waiting, self.max_queue_len)
@@ -322,7 +321,7 @@ class AsyncEngine:
             self._groups[r.request_id] = group
             self.processor.add(r.request_id, None, r.prompt_token_ids, r.params, now)
             self._pending_seqs += r.params.n
-            self._outbox.put(("add", r.request_id, r.prompt_token_ids, r.params, now))
+            self._outbox.put(AddRequest(r.request_id, r.prompt_token_ids, r.params, now))
             if self.observer is not None:
                 self.observer.on_add(r.request_id, now)
         return group
@@ -336,7 +335,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Drops a request (no-op if it already finished)."""
         if self.processor.abort(request_id):
-            self._outbox.put(("abort", request_id))
+            self._outbox.put(AbortRequest(request_id))
             if self.observer is not None:
                 self.observer.on_abort(request_id)
 
@@ -351,25 +350,24 @@ class AsyncEngine:
                 group._put(rid, payload)
 
     # ---- messages from the engine (on the event loop) -------------------------------------
-    def _on_message(self, msg: tuple[Any, ...]) -> None:
+    def _on_message(self, msg: Report) -> None:
         if self._first is not None and not self._first.done():
-            self._first.set_result(msg)  # "ready" or "failed"
+            self._first.set_result(msg)  # Ready or LoadFailed
             return
-        kind = msg[0]
         self.heartbeat = time.monotonic()
-        if kind == "step":
-            _, updates, stats, now, added = msg
-            self._on_report(stats, added)
-            self._on_updates(updates, now)
-        elif kind == "stats":
-            self._on_report(msg[1], msg[3])
-        elif kind == "error":
-            _, rids, message = msg
-            self.num_step_errors += 1
-            self._fail(rids, EngineStepError(message))
-        elif kind == "refused":
-            _, rid, message = msg
-            self._fail([rid], EngineStepError(f"cannot queue request: {message}"))
+        match msg:
+            case StepDone(updates, stats, now, added):
+                self._on_report(stats, added)
+                self._on_updates(updates, now)
+            case Idle(stats, _, added):
+                self._on_report(stats, added)
+            case StepFailed(rids, message):
+                self.num_step_errors += 1
+                self._fail(rids, EngineStepError(message))
+            case Refused(rid, message):
+                self._fail([rid], EngineStepError(f"cannot queue request: {message}"))
+            case _:
+                log.error("unexpected message from the engine process: %r", msg)
 
     def _on_report(self, stats: EngineStats, added: int) -> None:
         self._stats = stats
@@ -378,7 +376,7 @@ class AsyncEngine:
     def _on_updates(self, updates: list[SeqUpdate], now: float) -> None:
         outputs, stopped = self.processor.process(updates, now)
         for rid, index in stopped:
-            self._outbox.put(("finish", rid, index))
+            self._outbox.put(FinishSequence(rid, index))
         if self.observer is not None:
             try:
                 self.observer.on_step(outputs, time.monotonic())
@@ -400,7 +398,7 @@ class AsyncEngine:
     def _on_pipe_closed(self) -> None:
         """On the event loop: the engine's output pipe closed (the process exited)."""
         if self._first is not None and not self._first.done():
-            self._first.set_result(("closed",))
+            self._first.set_result(None)
             return
         if self._running:
             log.error("the engine process stopped (exit code %s)", self._proc.exitcode)

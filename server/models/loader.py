@@ -1,4 +1,8 @@
-"""Loads a local Hugging Face checkpoint (single or sharded safetensors) into a model."""
+"""Loads a local Hugging Face checkpoint (single or sharded safetensors) into a model.
+
+Files are memory-mapped (``safe_open``); each tensor goes to its parameter's
+``weight_loader``, which copies this rank's slice.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvscale.server.model_config import CheckpointError, ModelConfig
+from kvscale.server.config import CheckpointError, ModelConfig
 from kvscale.server.models.registry import model_class
+from kvscale.server.parallel import SINGLE, ParallelState
+from kvscale.server.quantization import QuantizationConfig
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -42,21 +48,29 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         except (OSError, RuntimeError) as e:
-            if isinstance(e, CheckpointError):
-                raise
             raise CheckpointError(f"cannot read {file}: {e}") from e
 
 
 def load_model(
-    cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig,
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: ParallelState = SINGLE,
+    quant: QuantizationConfig | None = None,
 ) -> nn.Module:
-    """Builds the model for ``cfg`` on ``device`` in ``dtype`` and loads its weights."""
+    """Builds this rank's shard of the model for ``cfg`` on ``device`` in ``dtype`` and
+    loads its weights; linear layers get their method from ``quant`` (None: dense)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class(cfg)(cfg)
+            model = model_class(cfg)(cfg, parallel, quant)
     finally:
         torch.set_default_dtype(prev)
     model.load_weights(iter_tensors(Path(path)))  # type: ignore[operator]
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()

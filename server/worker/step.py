@@ -1,0 +1,91 @@
+"""One model step as plain data: what the driver hands every rank's worker.
+
+The driver (``engine.step_inputs``) turns a scheduled batch into a ``StepInput``: numpy
+arrays and a few scalars, never ``Sequence`` objects or ``torch.Generator``s, so that
+the same step can be pickled or broadcast to other ranks as it is.
+
+Arrays (``StepInput.arrays``), for T new tokens of B sequences (rows past B are padding
+for a CUDA graph of ``graph_size`` rows: id 0, position 0, slot -1, length 1):
+
+- ``ids [T] int64``: token ids; a negative id ``-(r + 1)`` is a placeholder for "the
+  token sampled in row r of the previous step", still on the device when this step is
+  prepared (``resolve_placeholders``).
+- ``positions [T] int64``, ``slots [T] int64`` (cache slot, -1 = not written).
+- ``q_start [B+1] int32`` (cumulative new-token offsets), ``seq_lens [B] int32`` (tokens
+  in the cache after the step), ``tables [B, W] int32`` (block ids, zero-padded).
+- ``logits_idx [S] int64``: the token rows whose logits are sampled (S sampling rows).
+- sampling, per sampling row: ``sampling [S, 8] float32`` (temperature, top_k, top_p,
+  min_p, greedy, repetition, presence, frequency penalties); optional ``ban_rows``/
+  ``ban_cols [N] int64`` (tokens a row may not sample); optional ``prompt_ids``/
+  ``output_ids [S, L] int64`` (padded with the vocabulary size) for penalties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SamplingPlan:
+    """What the host knows of a step's sampling rows (one entry per sampling row)."""
+
+    seeds: list[int | None]  # seed of this row's draw (``row_seed``), None: the engine's stream
+    logprobs: list[int | None]  # top-k logprobs wanted, None: none
+    all_greedy: bool = False
+    do_top_k: bool = False
+    do_top_p_min_p: bool = False
+    do_penalties: bool = False
+    ban: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seeds)
+
+
+@dataclass
+class StepInput:
+    arrays: dict[str, np.ndarray]
+    num_seqs: int  # B: real rows of the per-sequence arrays
+    max_query_len: int  # most new tokens of one sequence
+    max_seq_len: int  # longest sequence in the cache after the step
+    graph_size: int = 0  # 0: eager; else the captured decode graph to replay (rows padded to it)
+    sampling: SamplingPlan = field(default_factory=lambda: SamplingPlan([], []))
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens fed, padding rows included."""
+        return int(self.arrays["ids"].shape[0])
+
+    @property
+    def new_tokens_per_seq(self) -> list[int]:
+        """New tokens of each real sequence (``[B]``)."""
+        return np.diff(self.arrays["q_start"][: self.num_seqs + 1]).tolist()
+
+
+def resolve_placeholders(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+    """``ids`` with each placeholder ``-(r + 1)`` replaced by ``last_tokens[r]`` (on the
+    device, without a sync); other ids pass through."""
+    rows = (-ids - 1).clamp_(min=0)
+    return torch.where(ids < 0, last_tokens[rows], ids)
+
+
+def profile_step(num_tokens: int, block_size: int) -> StepInput:
+    """A prefill of ``num_tokens`` tokens of one sequence over blocks 0.., sampling one
+    row greedily: the largest step, run once to measure peak activation memory."""
+    n_blocks = -(-num_tokens // block_size)
+    pos = np.arange(num_tokens, dtype=np.int64)
+    arrays = {
+        "ids": np.zeros(num_tokens, dtype=np.int64),
+        "positions": pos,
+        "slots": pos.copy(),
+        "seq_lens": np.array([num_tokens], dtype=np.int32),
+        "q_start": np.array([0, num_tokens], dtype=np.int32),
+        "tables": np.arange(n_blocks, dtype=np.int32).reshape(1, n_blocks),
+        "logits_idx": np.array([num_tokens - 1], dtype=np.int64),
+        "sampling": np.array([[1, 0, 1, 0, 1, 1, 0, 0]], dtype=np.float32),
+    }
+    plan = SamplingPlan([None], [None], all_greedy=True)
+    return StepInput(arrays, 1, num_tokens, num_tokens, sampling=plan)

@@ -1,0 +1,280 @@
+"""The worker of one rank: runs a ``StepInput`` through the model and samples.
+
+It owns the model (this rank's shard), the KV pool (allocated once), the attention
+backend, the decode CUDA graphs and the sampler's state, and knows nothing of requests
+or sequences. ``launch`` copies the step's arrays to the device in one pinned transfer,
+enqueues the forward pass and the sampling, and starts copying the sampled tokens back,
+all without waiting for the GPU; the returned ``PendingStep`` waits only when its
+``result()`` is read. So the driver can prepare and launch step N+1 while the GPU still
+runs step N: step N+1 may feed tokens sampled in step N as placeholders, which the
+device resolves from ``last_tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvscale.server.attention.backend import get_backend
+from kvscale.server.attention.forward_context import forward_context
+from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.config import ResolvedConfig
+from kvscale.server.engine.core_outputs import RowLogprobs
+from kvscale.server.layers import ops
+from kvscale.server.layers.sampler import SamplingTensors, sample, seeded_generators, top_logprobs
+from kvscale.server.models.loader import load_model
+from kvscale.server.parallel import SINGLE, ParallelState
+from kvscale.server.quantization import get_quantization
+from kvscale.server.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from kvscale.server.worker.host_to_device import to_device
+from kvscale.server.worker.kv_pool import KVPool
+from kvscale.server.worker.step import SamplingPlan, StepInput, profile_step, resolve_placeholders
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when num_kv_blocks is not given
+
+
+@dataclass
+class StepResult:
+    """For each sampling row, in order: its token and optional logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[RowLogprobs | None]
+
+
+class PendingStep:
+    """A launched step whose sampled tokens (and logprobs) are being copied to the host."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor | None,
+        logprobs: tuple[torch.Tensor, ...] | None,
+        want_logprobs: list[int | None],
+        on_cuda: bool = False,
+    ) -> None:
+        self._tokens = tokens
+        self._logprobs = logprobs
+        self._want = want_logprobs
+        self._event: torch.cuda.Event | None = None
+        if on_cuda:  # marks the end of the copies just enqueued
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def num_rows(self) -> int:
+        """Sampling rows of the step."""
+        return len(self._want)
+
+    def result(self) -> StepResult:
+        """Waits for the copies (the GIL is released while waiting)."""
+        if self._event is not None:
+            self._event.synchronize()
+        if self._tokens is None:
+            return StepResult([], [])
+        tokens = self._tokens.tolist()
+        lps: list[RowLogprobs | None] = [None] * len(tokens)
+        if self._logprobs is not None:
+            top_ids, top_lp, s_lp, rank = (t.tolist() for t in self._logprobs)
+            for row, k in enumerate(self._want):
+                if k is not None:
+                    lps[row] = (top_ids[row][:k], top_lp[row][:k], s_lp[row], rank[row])
+        return StepResult(tokens, lps)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Starts a device-to-host copy into pinned memory (a no-op on CPU)."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+class Worker:
+    """One rank's model, KV pool, attention backend, CUDA graphs and sampler."""
+
+    def __init__(self, config: ResolvedConfig, parallel: ParallelState = SINGLE) -> None:
+        eng = config.engine
+        self.config = config
+        self.parallel = parallel
+        self.device = device = config.torch_device
+        self.dtype = config.dtype
+        self.block_size = eng.block_size
+        self.vocab_size = config.model.vocab_size
+        self.backend = get_backend(eng.attention_backend, device)
+        # Compiled: Inductor fuses the elementwise references itself; eager on CUDA: the
+        # hand-written Triton kernels.
+        ops.use_kernels(self.backend.name == "triton" and not eng.compile)
+        quant = get_quantization(config.model, eng.quantization)
+        self.model = load_model(config.model, eng.model, self.dtype, device, parallel, quant)
+        self.compiled = eng.compile
+        if eng.compile:
+            # Attention stays an opaque custom op (see layers/attention.py); token counts
+            # vary every step, so shapes are dynamic.
+            self.model.model = torch.compile(self.model.model, dynamic=True)
+        self.attn_layers = self.model.attention_layers()  # type: ignore[operator]
+        first = self.attn_layers[0]
+        self.kv_pool = KVPool(
+            len(self.attn_layers),
+            first.num_kv_heads,
+            first.head_dim,
+            eng.block_size,
+            self.dtype,
+            device,
+        )
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(eng.seed)
+        self._neg_inf = torch.full((), float("-inf"), device=device)
+        # The tokens sampled by the latest step that sampled (row r at index r).
+        self.last_tokens = torch.zeros(
+            max(1, config.max_num_batched_tokens), dtype=torch.long, device=device
+        )
+        num_blocks = eng.num_kv_blocks or self._auto_num_blocks(
+            config.max_num_batched_tokens, eng.gpu_memory_utilization
+        )
+        self.num_kv_blocks = parallel.min_int(num_blocks, device)  # every rank holds as many
+        self.kv_pool.allocate(self.num_kv_blocks)
+        self.kv_pool.bind(self.attn_layers)
+        self.graphs: DecodeGraphs | None = None
+        max_batch = min(eng.cuda_graph_max_batch, eng.max_num_seqs)
+        use_graphs = device.type == "cuda" and self.backend.name == "triton"
+        if use_graphs and not eng.enforce_eager and max_batch > 0:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                capture_sizes(max_batch),
+                -(-config.max_model_len // eng.block_size),
+                eng.block_size,
+                self.last_tokens,
+            )
+            self.graphs.capture()
+
+    # ---- KV pool -------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv_pool.bytes_per_block
+
+    def _auto_num_blocks(self, max_tokens: int, utilization: float) -> int:
+        if self.device.type != "cuda":
+            return max(1, CPU_KV_CACHE_BYTES // self.bytes_per_block)
+        # Profile a full-size prefill to learn peak activation memory, then give the
+        # rest of utilization * total memory to the KV pool.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        step = profile_step(max_tokens, self.block_size)
+        self.kv_pool.allocate(-(-max_tokens // self.block_size))
+        self.kv_pool.bind(self.attn_layers)
+        with torch.inference_mode():
+            self._forward_eager(step, to_device(step.arrays, self.device))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_pool.allocate(0)
+        self.kv_pool.bind(self.attn_layers)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * utilization) - peak - others
+        blocks = budget // self.bytes_per_block
+        if blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {total * utilization / 2**30:.1f} GiB "
+                f"allowed (gpu_memory_utilization={utilization}), model and activations take "
+                f"{peak / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "
+                "max_num_batched_tokens"
+            )
+        log.info("KV cache: %d blocks (%.1f GiB)", blocks, blocks * self.bytes_per_block / 2**30)
+        return int(blocks)
+
+    # ---- one step ------------------------------------------------------------------
+    def decode_graph_size(self, num_seqs: int) -> int:
+        """The captured decode batch size a decode step of ``num_seqs`` rows replays
+        (0: none, run eagerly)."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.graph_size(num_seqs) or 0
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> PendingStep:
+        """Enqueues the step's forward pass and sampling; returns at once."""
+        dev = to_device(step.arrays, self.device)
+        if step.graph_size:
+            assert self.graphs is not None
+            logits = self.graphs.run(dev, step.num_seqs)
+        else:
+            logits = self._forward_eager(step, dev)
+        plan = step.sampling
+        if not plan.num_rows:
+            return PendingStep(None, None, [])
+        return self._sample(plan, logits, dev)
+
+    def _forward_eager(self, step: StepInput, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model on the step's device inputs; fp32 logits ``[S, V]`` of the rows that
+        sample."""
+        meta = AttentionMetadata(
+            slot_mapping=dev["slots"],
+            query_start_loc=dev["q_start"],
+            seq_lens=dev["seq_lens"],
+            block_tables=dev["tables"],
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+        )
+        ids = resolve_placeholders(dev["ids"], self.last_tokens)
+        positions = dev["positions"]
+        if self.compiled:
+            # A view into the packed buffer has a storage offset that varies with the
+            # step's sizes; Dynamo guards on it and would recompile: pass a fresh tensor.
+            positions = positions.clone()
+        with forward_context(self.backend, meta):
+            hidden = self.model(ids, positions)
+        return self.model.compute_logits(hidden[dev["logits_idx"]])  # type: ignore[operator]
+
+    # ---- sampling ----------------------------------------------------------------------
+    def _sample(
+        self, plan: SamplingPlan, logits: torch.Tensor, dev: dict[str, torch.Tensor]
+    ) -> PendingStep:
+        want_lp = plan.logprobs
+        raw = logits.clone() if any(k is not None for k in want_lp) else None
+        if plan.ban:
+            # a tensor value: assigning a Python float copies it to the device and syncs
+            logits.index_put_((dev["ban_rows"], dev["ban_cols"]), self._neg_inf)
+        cols = dev["sampling"]
+        t = SamplingTensors(
+            temperature=cols[:, 0],
+            top_k=cols[:, 1].long(),
+            top_p=cols[:, 2],
+            min_p=cols[:, 3],
+            greedy=cols[:, 4].bool(),
+            repetition_penalty=cols[:, 5],
+            presence_penalty=cols[:, 6],
+            frequency_penalty=cols[:, 7],
+            do_top_k=plan.do_top_k,
+            do_top_p_min_p=plan.do_top_p_min_p,
+            do_penalties=plan.do_penalties,
+            all_greedy=plan.all_greedy,
+        )
+        prompt_mask = counts = None
+        if plan.do_penalties:
+            prompt_mask, counts = self._penalty_inputs(dev, plan.num_rows)
+        generators = seeded_generators(plan.seeds, self.device) if not plan.all_greedy else []
+        tokens = sample(logits, t, generators, self.generator, prompt_mask, counts)
+        self.last_tokens[: plan.num_rows].copy_(tokens)
+        host_lp = None
+        if raw is not None:
+            k = max(k or 0 for k in want_lp)
+            host_lp = tuple(_to_host(x) for x in top_logprobs(raw, tokens, k))
+        return PendingStep(_to_host(tokens), host_lp, want_lp, self.device.type == "cuda")
+
+    def _penalty_inputs(
+        self, dev: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, V]`` prompt-token mask and output-token counts, one scatter each."""
+        vocab = self.vocab_size
+        output_ids = resolve_placeholders(dev["output_ids"], self.last_tokens)
+        prompt_mask = torch.zeros(n, vocab + 1, dtype=torch.bool, device=self.device)
+        prompt_mask.scatter_(1, dev["prompt_ids"], True)
+        counts = torch.zeros(n, vocab + 1, dtype=torch.int32, device=self.device)
+        counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.int32))
+        return prompt_mask[:, :vocab], counts[:, :vocab]
