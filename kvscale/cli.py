@@ -81,6 +81,12 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVSCALE_API_KEY)",
     )
     g.add_argument(
+        "--prefix-cache-salt-per-key",
+        action="store_true",
+        help="salt each request's prefix-cache blocks with its bearer token, so that clients "
+        "with different keys never share cached blocks",
+    )
+    g.add_argument(
         "--max-queue-len",
         type=int,
         default=None,

@@ -139,9 +139,10 @@ class EngineConfig:
     )
     seed: int = setting(0, "seed of unseeded sampling")
     enable_prefix_caching: bool = setting(
-        False, "reuse the KV cache of shared prompt prefixes", group="features",
-        not_yet="prefix caching is not supported yet",
-    )  # fmt: skip
+        True,
+        "reuse the KV cache of shared prompt prefixes (hash-chained full blocks; a request's "
+        "cache_salt isolates tenants)",
+    )
     quantization: str | None = setting(
         None,
         "weight quantization (only none)",
@@ -306,8 +307,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         group = groups[meta["group"]]
         base = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), None)
         base = base or hints[f.name]
-        if base is bool:
-            group.add_argument(flag, action="store_true", help=meta["help"])
+        if base is bool:  # on by default: --no-FLAG turns it off
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument(flag, action=action, default=f.default, help=meta["help"])
             continue
         default = "" if f.default in (None, MISSING) else " (default: %(default)s)"
         group.add_argument(flag, type=base, default=f.default, help=meta["help"] + default)

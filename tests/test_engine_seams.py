@@ -63,7 +63,7 @@ def test_flags_cannot_be_abbreviated() -> None:
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in (0.0, 1.0]"),
         ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "must be >= max_num_seqs (64)"),
         ({"attention_backend": "flash"}, "attention_backend must be one of"),
-        ({"enable_prefix_caching": True}, "prefix caching is not supported yet"),
+        ({"quantization": "fp8"}, "quantization is not supported yet"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
         ({"dtype": "int8"}, "'int8' is not supported"),
     ],

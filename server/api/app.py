@@ -312,6 +312,21 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         """Prometheus text format."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache", tags=["lifecycle"])
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        """Forgets every cached prefix block (for benchmarks); needs the API key when one
+        is set."""
+        key = settings.api_key
+        if key and not _authorized(request.scope, key):
+            return error_response(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        state.require_engine().reset_prefix_cache()
+        return JSONResponse({"status": "ok"})
+
     @app.get("/version", tags=["lifecycle"])
     async def version() -> dict[str, str]:
         return {"version": __version__}

@@ -84,6 +84,7 @@ def run_server(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         warmup=not args.no_warmup,
         chat_template=chat_template,
+        prefix_cache_salt_per_key=args.prefix_cache_salt_per_key,
     )
     app = create_app(settings, _engine_factory(cfg, args.log_level))
     config = uvicorn.Config(

@@ -53,9 +53,12 @@ def token_buckets(max_model_len: int) -> list[float]:
 METRICS: dict[str, tuple[str, str]] = {
     "num_requests_running": ("gauge", "Sequences in the running batch."),
     "num_requests_waiting": ("gauge", "Sequences waiting to be scheduled (incl. preempted)."),
-    "kv_cache_usage_perc": ("gauge", "Fraction of KV-cache blocks in use, 0..1."),
+    "kv_cache_usage_perc": (
+        "gauge",
+        "Fraction of KV-cache blocks held by live sequences, 0..1 (cached free blocks are free).",
+    ),
     "kv_cache_blocks_total": ("gauge", "KV-cache blocks in the pool."),
-    "kv_cache_blocks_free": ("gauge", "KV-cache blocks free."),
+    "kv_cache_blocks_free": ("gauge", "KV-cache blocks free (including cached, evictable ones)."),
     "prompt_tokens": ("counter", "Prompt tokens processed."),
     "generation_tokens": ("counter", "Tokens generated."),
     "request_success": ("counter", "Finished sequences by finish reason (stop, length, abort)."),
@@ -104,8 +107,8 @@ class _EngineCollector(Collector):
             "prompt_tokens": s.prompt_tokens,
             "generation_tokens": s.generation_tokens,
             "num_preemptions": s.num_preemptions,
-            "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
         }
         for name, value in counters.items():
             c = self._family(CounterMetricFamily, name)

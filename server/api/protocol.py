@@ -48,6 +48,13 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="prefix-cache isolation: requests share cached KV blocks only with "
+        "requests of the same salt",
+    )
 
 
 class CompletionRequest(SamplingRequest):

@@ -27,6 +27,7 @@ from kvscale.server.api.protocol import (
 )
 from kvscale.server.api.serving_common import (
     SSE_DONE,
+    cache_salt,
     check_stream_options,
     clamp_logprob,
     collect,
@@ -155,7 +156,8 @@ async def create_chat_completion(
         req, max_tokens, k, engine.vocab_size, {"logprobs": "top_logprobs", "max_tokens": mt_param}
     )
     rid = random_id("chatcmpl")
-    group = submit(engine, [EngineRequest(rid, ids, params)], prompt_param="messages")
+    salt = cache_salt(req, raw, state.settings.prefix_cache_salt_per_key)
+    group = submit(engine, [EngineRequest(rid, ids, params, salt)], prompt_param="messages")
     created = int(time.time())
     if req.stream:
         return StreamingResponse(

@@ -4,6 +4,7 @@ disconnect handling and server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import uuid
 from collections.abc import Awaitable
@@ -136,6 +137,20 @@ def check_stream_options(req: SamplingRequest) -> bool:
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def cache_salt(req: SamplingRequest, raw: Request, per_key: bool) -> str | None:
+    """The request's prefix-cache salt: its ``cache_salt``, joined (when ``per_key``) by a
+    digest of its bearer token, so that requests of different keys never share blocks."""
+    salt = req.cache_salt
+    if not per_key:
+        return salt
+    auth = raw.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return salt
+    digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return f"key:{digest}|{salt or ''}"
 
 
 def submit(

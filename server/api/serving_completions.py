@@ -25,6 +25,7 @@ from kvscale.server.api.protocol import (
 )
 from kvscale.server.api.serving_common import (
     SSE_DONE,
+    cache_salt,
     check_request_size,
     check_stream_options,
     clamp_logprob,
@@ -107,7 +108,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             req.max_tokens, len(ids), engine.max_model_len, "max_tokens", "prompt"
         )
         params = sampling_params(req, max_tokens, req.logprobs, vocab)
-        reqs.append(EngineRequest(f"{rid}-{i}", ids, params))
+        salt = cache_salt(req, raw, state.settings.prefix_cache_salt_per_key)
+        reqs.append(EngineRequest(f"{rid}-{i}", ids, params, salt))
     echo = None
     if req.echo:
         echo = [t or engine.detokenize(ids) for t, ids in zip(texts, prompts, strict=True)]

@@ -21,6 +21,7 @@ class ServerSettings:
     drain_timeout: float = 30.0  # seconds
     warmup: bool = True
     chat_template: str | None = None  # Jinja source overriding the tokenizer's
+    prefix_cache_salt_per_key: bool = False  # the bearer token salts each request's cache
 
     @property
     def model_name(self) -> str:

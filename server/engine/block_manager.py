@@ -1,14 +1,26 @@
-"""The KV-cache block pool: a free list and per-block reference counts.
+"""The KV-cache block pool: reference counts, a free list, and the prefix cache.
 
-Blocks hold ``block_size`` tokens of K/V in every layer. A sequence owns a block
-table (list of block ids); a block can be shared by several tables (its reference
-count is the number of tables holding it), which prefix caching builds on. A block
-returns to the free list when its count drops to zero.
+Blocks hold ``block_size`` tokens of K/V in every layer. A sequence owns a block table
+(list of block ids); a block can be in several tables (its reference count is the number
+of tables holding it).
+
+Prefix caching (``enable_caching``): a full block whose tokens are final can be
+registered under its content hash (``block_hash``: chained from the first block, so the
+hash names the whole prefix). ``match`` maps a prompt's leading block hashes to cached
+blocks, which ``allocate`` then puts at the start of the new table. A block whose count
+drops to zero keeps its hash and becomes *evictable*: free, but still a cache hit until
+it is needed. Free blocks are taken plain ones first, then evictable ones least recently
+freed first (``free`` releases a table tail-first, so a prompt's end goes before its
+start). Evictable blocks count as free everywhere (``num_free_blocks``, ``usage``):
+they hold no live sequence's state.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from kvscale.server.engine.block_hash import BlockHash
 
 
 class BlockError(RuntimeError):
@@ -16,21 +28,37 @@ class BlockError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # hash -> the block holding that content
+        self._plain: deque[int] = deque(range(num_blocks))  # free, caching nothing
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free, cached; LRU first
+        self.num_evictions = 0
+
+    # ---- counts ------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> list[int]:
+        """Every free block: plain ones, then evictable ones in eviction order."""
+        return [*self._plain, *self._evictable]
+
+    @property
+    def evictable_blocks(self) -> list[int]:
+        """Free blocks still cached, least recently freed first."""
+        return list(self._evictable)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self._plain) + len(self._evictable)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
+        """Fraction of blocks held by live sequences, 0..1 (cached free blocks are free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -40,22 +68,80 @@ class BlockManager:
         """Blocks to add to ``block_table`` so it holds ``num_tokens`` tokens."""
         return max(0, self.blocks_for(num_tokens) - len(block_table))
 
-    def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.num_new_blocks(block_table, num_tokens) <= self.num_free_blocks
+    # ---- the prefix cache ----------------------------------------------------------------
+    def match(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes`` (no reference taken)."""
+        hits = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
-    def allocate(self, block_table: list[int], num_tokens: int) -> None:
-        """Grows ``block_table`` in place to cover ``num_tokens`` tokens."""
-        need = self.num_new_blocks(block_table, num_tokens)
-        if need > self.num_free_blocks:
+    def commit(self, block_table: list[int], hashes: Sequence[BlockHash], start: int) -> None:
+        """Registers ``block_table[i]`` under ``hashes[i]`` for ``i >= start`` (full blocks
+        whose K/V is computed or being computed by a step already launched or about to
+        be). A hash already cached elsewhere keeps its block; this one stays plain."""
+        if not self.enable_caching:
+            return
+        for i in range(start, len(hashes)):
+            block, h = block_table[i], hashes[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
+
+    def reset_cache(self) -> int:
+        """Forgets every cached hash (blocks in use keep their contents); returns how many
+        were dropped."""
+        n = len(self.cached)
+        for block in self.cached.values():
+            self.block_hash[block] = None
+        self.cached.clear()
+        self._plain.extend(self._evictable)
+        self._evictable.clear()
+        return n
+
+    # ---- allocation -------------------------------------------------------------------
+    def can_allocate(
+        self, block_table: list[int], num_tokens: int, hits: Sequence[int] = ()
+    ) -> bool:
+        """Whether ``allocate(block_table, num_tokens, hits)`` would succeed."""
+        need = self.num_new_blocks(block_table, num_tokens) - len(hits)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return need <= self.num_free_blocks - revived
+
+    def allocate(self, block_table: list[int], num_tokens: int, hits: Sequence[int] = ()) -> None:
+        """Grows ``block_table`` in place to cover ``num_tokens`` tokens: first the cached
+        ``hits`` (from ``match``; only into an empty table), then free blocks."""
+        if hits and block_table:
+            raise BlockError("cache hits go at the start of an empty block table")
+        if not self.can_allocate(block_table, num_tokens, hits):
+            need = self.num_new_blocks(block_table, num_tokens)
             raise BlockError(f"asked for {need} blocks, {self.num_free_blocks} free")
-        for _ in range(need):
-            block = self.free_blocks.popleft()
-            if self.ref_counts[block] != 0:
-                raise BlockError(
-                    f"block {block} on the free list has refcount {self.ref_counts[block]}"
-                )
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+            block_table.append(block)
+        for _ in range(self.num_new_blocks(block_table, num_tokens)):
+            block = self._take_free()
             self.ref_counts[block] = 1
             block_table.append(block)
+
+    def _take_free(self) -> int:
+        if self._plain:
+            block = self._plain.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None:
+                del self.cached[h]
+                self.block_hash[block] = None
+            self.num_evictions += 1
+        if self.ref_counts[block] != 0:
+            raise BlockError(f"free block {block} has refcount {self.ref_counts[block]}")
+        return block
 
     def share(self, block_ids: list[int]) -> list[int]:
         """Returns a new table holding the same blocks (each reference count + 1)."""
@@ -72,5 +158,8 @@ class BlockManager:
                 raise BlockError(f"double free of block {block}")
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if self.block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._plain.append(block)
         block_table.clear()

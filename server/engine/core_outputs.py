@@ -39,3 +39,5 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     finished: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of those, tokens found

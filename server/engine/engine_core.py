@@ -56,7 +56,9 @@ class EngineCore:
         self.device = self.worker.device
         self.dtype = self.worker.dtype
         self.vocab_size = config.model.vocab_size
-        self.block_manager = BlockManager(self.worker.num_kv_blocks, eng.block_size)
+        self.block_manager = BlockManager(
+            self.worker.num_kv_blocks, eng.block_size, eng.enable_prefix_caching
+        )
         if self.block_manager.blocks_for(self.max_model_len) > self.block_manager.num_blocks:
             capacity = self.block_manager.num_blocks * eng.block_size
             raise ValueError(
@@ -80,14 +82,24 @@ class EngineCore:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queues ``params.n`` sequences of a validated request. ValueError (queues
+        """Queues ``params.n`` sequences of a validated request (``cache_salt``: only
+        requests with the same salt share prefix-cache blocks). ValueError (queues
         nothing) if ``request_id`` is in use."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [
-            Sequence(next(self._seq_ids), request_id, i, prompt_ids, params.for_child(i), now)
+            Sequence(
+                next(self._seq_ids),
+                request_id,
+                i,
+                prompt_ids,
+                params.for_child(i),
+                now,
+                cache_salt=cache_salt,
+            )
             for i in range(params.n)
         ]
         self.requests[request_id] = Request(request_id, list(prompt_ids), params, seqs, now)
@@ -121,7 +133,12 @@ class EngineCore:
         for rid in rids:
             self.abort_request(rid)
         self._inflight = None
+        self.block_manager.reset_cache()  # the failed step may not have written its blocks
         return rids
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block hash; returns how many were dropped."""
+        return self.block_manager.reset_cache()
 
     def has_work(self) -> bool:
         return bool(self.requests) or self._inflight is not None
@@ -236,4 +253,6 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )

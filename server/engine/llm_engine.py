@@ -72,10 +72,12 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queues a request. Raises ValueError (and queues nothing) for invalid input."""
         params = params or SamplingParams()
-        self.queue(request_id, prompt, self.prepare(prompt, params), params, arrival_time)
+        prompt_ids = self.prepare(prompt, params)
+        self.queue(request_id, prompt, prompt_ids, params, arrival_time, cache_salt)
 
     def queue(
         self,
@@ -84,12 +86,14 @@ class LLMEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queues a request whose ``prompt_ids`` came from ``prepare``."""
+        """Queues a request whose ``prompt_ids`` came from ``prepare``; ``cache_salt``:
+        it shares prefix-cache blocks only with requests of the same salt."""
         if request_id in self.processor.requests or request_id in self.core.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         now = arrival_time if arrival_time is not None else time.monotonic()
-        self.core.add_request(request_id, prompt_ids, params, now)
+        self.core.add_request(request_id, prompt_ids, params, now, cache_salt)
         text = prompt if isinstance(prompt, str) else None
         self.processor.add(request_id, text, prompt_ids, params, now)
 
@@ -110,6 +114,10 @@ class LLMEngine:
         for request_id, index in stopped:
             self.core.finish_sequence(request_id, index)
         return outputs
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix block; returns how many were dropped."""
+        return self.core.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         s = self.core.stats()

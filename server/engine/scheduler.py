@@ -8,6 +8,14 @@ none is free, the newest running sequence is preempted: its blocks are freed and
 goes back to the front of the queue, to be recomputed from its tokens later (its
 generated tokens are kept, so nothing is lost). A running sequence marked ``stopping``
 (its last token is being sampled by the step in flight) is skipped.
+
+With prefix caching, a sequence admitted from the queue (new, or preempted earlier)
+first looks its full blocks up in the cache (``BlockManager.match``): the blocks found
+join its table and its prefill starts after them, always leaving its last token to be
+computed so that it has logits to sample. Every step then registers the sequence's full
+blocks whose tokens are final and whose K/V this step computes, so a sequence admitted
+later, in this step or any after, can share them (within a step, attention reads a
+layer's cache after the whole step's K/V was written to it).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvscale.server.engine.block_hash import block_hashes
 from kvscale.server.engine.block_manager import BlockManager
 from kvscale.server.engine.sequence import Sequence, SequenceStatus
 
@@ -45,6 +54,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the cache
+        self.prefix_cache_hits = 0  # of those, tokens found
 
     @property
     def num_waiting(self) -> int:
@@ -72,6 +83,7 @@ class Scheduler:
                 i += 1
                 continue
             if self._reserve(seq, n, batch):
+                self._commit(seq, seq.num_computed_tokens + n)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
@@ -82,10 +94,19 @@ class Scheduler:
             return batch  # don't admit new work while evicting
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
+            hits = self._lookup(seq)
+            start = len(hits) * self.blocks.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.can_allocate(seq.block_table, start + n, hits):
                 break
-            self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
+            self.blocks.allocate(seq.block_table, start + n, hits)
+            if self.blocks.enable_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += start
+                seq.num_cached_tokens = start
+            seq.num_computed_tokens = start
+            seq.num_committed_blocks = len(hits)
+            self._commit(seq, start + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -93,6 +114,31 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The hashes of the full blocks of ``seq``'s first ``num_tokens`` tokens that are
+        final (extended as tokens become known; kept across preemption)."""
+        if len(seq.block_hashes) < num_tokens // self.blocks.block_size:
+            seq.block_hashes = block_hashes(
+                seq.token_ids[:num_tokens], self.blocks.block_size, seq.cache_salt, seq.block_hashes
+            )
+        return seq.block_hashes
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks a sequence without computed tokens can start from."""
+        if not self.blocks.enable_caching or seq.num_computed_tokens or seq.block_table:
+            return []
+        limit = (seq.num_tokens - 1) // self.blocks.block_size  # the last token is computed
+        return self.blocks.match(self._hashes(seq, seq.num_tokens)[:limit])
+
+    def _commit(self, seq: Sequence, num_tokens: int) -> None:
+        """Registers the full, final blocks among ``seq``'s first ``num_tokens`` tokens."""
+        if not self.blocks.enable_caching:
+            return
+        hashes = self._hashes(seq, num_tokens)[: num_tokens // self.blocks.block_size]
+        if len(hashes) > seq.num_committed_blocks:
+            self.blocks.commit(seq.block_table, hashes, seq.num_committed_blocks)
+            seq.num_committed_blocks = len(hashes)
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Allocates blocks for ``n`` more tokens of ``seq``, preempting the newest if needed."""
@@ -108,6 +154,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)
         seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

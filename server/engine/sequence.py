@@ -43,6 +43,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
+    cache_salt: str | None = None  # enters the first block's hash (prefix cache isolation)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of final tokens
+    num_committed_blocks: int = 0  # leading blocks of block_table registered in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -49,6 +49,7 @@ from kvscale.server.process.messages import (
     Ready,
     Refused,
     Report,
+    ResetPrefixCache,
     Shutdown,
     StepDone,
     StepFailed,
@@ -92,11 +93,13 @@ class EngineObserver(Protocol):
 
 @dataclass
 class EngineRequest:
-    """One engine request: a tokenized prompt and its sampling settings."""
+    """One engine request: a tokenized prompt, its sampling settings and its prefix-cache
+    salt (requests share cached KV blocks only with requests of the same salt)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 class RequestGroup:
@@ -321,7 +324,9 @@ class AsyncEngine:
             self._groups[r.request_id] = group
             self.processor.add(r.request_id, None, r.prompt_token_ids, r.params, now)
             self._pending_seqs += r.params.n
-            self._outbox.put(AddRequest(r.request_id, r.prompt_token_ids, r.params, now))
+            self._outbox.put(
+                AddRequest(r.request_id, r.prompt_token_ids, r.params, now, r.cache_salt)
+            )
             if self.observer is not None:
                 self.observer.on_add(r.request_id, now)
         return group
@@ -338,6 +343,13 @@ class AsyncEngine:
             self._outbox.put(AbortRequest(request_id))
             if self.observer is not None:
                 self.observer.on_abort(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Asks the engine to forget its cached prefix blocks (takes effect in order with
+        the requests already sent)."""
+        if not self.is_alive():
+            raise EngineDeadError("the engine is not running")
+        self._outbox.put(ResetPrefixCache())
 
     def _groups_remove(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:

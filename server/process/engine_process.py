@@ -36,6 +36,7 @@ from kvscale.server.process.messages import (
     Ready,
     Refused,
     Report,
+    ResetPrefixCache,
     Shutdown,
     StepDone,
     StepFailed,
@@ -90,9 +91,9 @@ class CoreLoop:
 
     def _handle(self, msg: Command) -> None:
         match msg:
-            case AddRequest(rid, prompt_ids, params, arrival):
+            case AddRequest(rid, prompt_ids, params, arrival, salt):
                 try:
-                    self.core.add_request(rid, prompt_ids, params, arrival)
+                    self.core.add_request(rid, prompt_ids, params, arrival, salt)
                     self._added += params.n
                 except Exception as e:  # the API process validated it: this is rare
                     log.exception("cannot queue request %s", rid)
@@ -101,6 +102,8 @@ class CoreLoop:
                 self.core.abort_request(rid)
             case FinishSequence(rid, index):
                 self.core.finish_sequence(rid, index)
+            case ResetPrefixCache():
+                log.info("prefix cache reset: %d blocks forgotten", self.core.reset_prefix_cache())
             case Shutdown():
                 self._stop = True
             case _:

@@ -23,6 +23,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() in the API process (same host clock)
+    cache_salt: str | None = None  # only requests with equal salts share cached blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +40,16 @@ class FinishSequence:
 
 
 @dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Forget every cached block hash (benchmarks start cold)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-Command = AddRequest | AbortRequest | FinishSequence | Shutdown
+Command = AddRequest | AbortRequest | FinishSequence | ResetPrefixCache | Shutdown
 
 # ---- from the engine process ----------------------------------------------------------
 
@@ -110,6 +116,7 @@ __all__ = [
     "Ready",
     "Refused",
     "Report",
+    "ResetPrefixCache",
     "Shutdown",
     "StepDone",
     "StepFailed",

@@ -53,7 +53,6 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--enable-prefix-caching"], "prefix caching is not supported yet"),
         (["--quantization", "fp8"], "quantization is not supported yet"),
         (["--speculative-model", "/m"], "speculative decoding is not supported yet"),
         (["--num-speculative-tokens", "4"], "speculative decoding is not supported yet"),

@@ -468,3 +468,46 @@ def test_bench_serve_text_prompts_keep_exact_lengths(
     assert res["failed_requests"] == 0 and res["config"]["prompts"] == "text"
     assert res["total_input_tokens"] == sum(i for i, _ in lengths)  # counted by the server
     assert res["total_output_tokens"] == sum(o for _, o in lengths)
+
+
+def _idle_metrics(server: ServerProcess) -> dict[str, float]:
+    """``/metrics`` once no sequence runs (bounded wait)."""
+    for _ in range(100):
+        m = server.metrics()
+        if metric(m, "kvscale:num_requests_running") == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError("requests still running")
+
+
+def test_prefix_cache_hits_move_the_metrics_and_salts_isolate(server: ServerProcess) -> None:
+    assert httpx.post(f"{server.url}/reset_prefix_cache", timeout=10).status_code == 401
+    r = httpx.post(
+        f"{server.url}/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}, timeout=10
+    )
+    assert r.status_code == 200, r.text
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks of 16 can be reused
+
+    def run(salt: str | None) -> tuple[float, float]:
+        before = _idle_metrics(server)
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        assert _post(server, COMP, body).status_code == 200
+        after = _idle_metrics(server)
+        q = metric(after, "kvscale:prefix_cache_queries_total") - metric(
+            before, "kvscale:prefix_cache_queries_total"
+        )
+        h = metric(after, "kvscale:prefix_cache_hits_total") - metric(
+            before, "kvscale:prefix_cache_hits_total"
+        )
+        return q, h
+
+    assert run(None) == (40, 0)
+    assert run(None) == (40, 32)
+    assert run("tenant-b") == (40, 0)  # another salt: nothing shared
+    assert run("tenant-b") == (40, 32)
+    m = _idle_metrics(server)
+    # cached blocks stay cached but count as free: the autoscaler sees an idle server
+    assert metric(m, "kvscale:kv_cache_usage_perc") == 0.0
+    assert metric(m, "kvscale:kv_cache_blocks_free") == metric(m, "kvscale:kv_cache_blocks_total")
