@@ -12,10 +12,16 @@ exact for any server that tokenizes with it. ``--backend transformers`` talks to
 ``transformers serve`` (text prompts only; no ``ignore_eos``: a generation config with no
 EOS instead).
 
-Datasets: ``random`` (fixed lengths, optionally spread by ``--range-ratio``) and
+Datasets: ``random`` (fixed lengths, optionally spread by ``--range-ratio``),
 ``sharegpt-like``: input and output lengths drawn from seeded log-normal distributions
 with ShareGPT's published means (about 200 input and 180 output tokens), since no
-dataset can be downloaded.
+dataset can be downloaded; and two for prefix caching: ``prefix`` (``--prefix-groups``
+groups, each with a shared system prompt of ``--prefix-len`` tokens followed by a
+question of ``--input-len`` tokens; requests interleave the groups) and ``multi-turn``
+(``--prefix-groups`` conversations of ``--turns`` turns; each turn resends the
+conversation so far, its earlier answers standing in as ``--output-len`` random ids,
+plus a new ``--input-len``-token message, and is sent only after the previous turn of
+its conversation finished).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
     prompt_text: str | None = None  # sent instead of the ids when set
+    after: int | None = None  # index of the request that must finish before this one starts
 
 
 @dataclass
@@ -111,6 +118,49 @@ def make_requests(lengths: list[tuple[int, int]], seed: int) -> list[BenchReques
     rng = random.Random(seed + 1)
     lo, hi = TOKEN_ID_RANGE
     return [BenchRequest([rng.randrange(lo, hi) for _ in range(i)], o) for i, o in lengths]
+
+
+def make_prefix_requests(
+    num_prompts: int, groups: int, prefix_len: int, input_len: int, output_len: int, seed: int
+) -> list[BenchRequest]:
+    """``num_prompts`` token-id prompts: request ``i`` is group ``i % groups``'s shared
+    ``prefix_len``-token system prompt plus its own ``input_len``-token question."""
+    if groups < 1 or prefix_len < 0 or input_len < 1 or output_len < 1 or num_prompts < 1:
+        raise ValueError("prefix workload: groups, input_len, output_len, num_prompts >= 1")
+    rng = random.Random(seed + 1)
+    lo, hi = TOKEN_ID_RANGE
+    prefixes = [[rng.randrange(lo, hi) for _ in range(prefix_len)] for _ in range(groups)]
+    return [
+        BenchRequest(
+            prefixes[i % groups] + [rng.randrange(lo, hi) for _ in range(input_len)], output_len
+        )
+        for i in range(num_prompts)
+    ]
+
+
+def make_multi_turn_requests(
+    conversations: int, turns: int, input_len: int, output_len: int, seed: int
+) -> list[BenchRequest]:
+    """``conversations * turns`` requests, turn by turn: turn ``t`` of a conversation is
+    turn ``t - 1``'s prompt, an answer (``output_len`` random ids standing in for the
+    reply) and a new ``input_len``-token message; it waits for turn ``t - 1``."""
+    if conversations < 1 or turns < 1 or input_len < 1 or output_len < 1:
+        raise ValueError("multi-turn workload: conversations, turns, lengths must be >= 1")
+    rng = random.Random(seed + 1)
+    lo, hi = TOKEN_ID_RANGE
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(lo, hi) for _ in range(n)]
+
+    out: list[BenchRequest] = []
+    history = [ids(input_len) for _ in range(conversations)]
+    for t in range(turns):
+        for c in range(conversations):
+            if t:
+                history[c] = history[c] + ids(output_len) + ids(input_len)
+            after = (t - 1) * conversations + c if t else None
+            out.append(BenchRequest(list(history[c]), output_len, after=after))
+    return out
 
 
 def word_pool(tokenizer_json: str) -> list[tuple[int, str]]:
@@ -390,35 +440,28 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     conc = args.max_concurrency or args.num_prompts
     async with client_session(conc, args.timeout) as client:
         model, max_model_len = await _server_model(client, base_url, api_key, args.model)
-        lengths = sample_lengths(
-            args.dataset,
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.seed,
-            args.range_ratio,
-            max_model_len,
-        )
-        if args.tokenizer:
-            requests = make_text_requests(lengths, args.seed, _tokenizer_json(args.tokenizer))
-        else:
-            requests = make_requests(lengths, args.seed)
+        requests = build_requests(args, max_model_len)
         delays = arrival_delays(len(requests), args.request_rate, args.seed)
         sem = asyncio.Semaphore(conc)
         bar = tqdm(total=len(requests), disable=args.disable_tqdm, file=sys.stderr, unit="req")
+        done = [asyncio.Event() for _ in requests]
 
-        async def one(req: BenchRequest) -> RequestResult:
-            async with sem:
-                r = await send_request(client, base_url, model, req, api_key, args.backend)
-            bar.update(1)
-            return r
+        async def one(i: int, req: BenchRequest) -> RequestResult:
+            if req.after is not None:
+                await done[req.after].wait()
+            try:
+                async with sem:
+                    return await send_request(client, base_url, model, req, api_key, args.backend)
+            finally:
+                done[i].set()
+                bar.update(1)
 
         tasks = []
         t0 = time.perf_counter()
-        for req, delay in zip(requests, delays, strict=True):
+        for i, (req, delay) in enumerate(zip(requests, delays, strict=True)):
             if delay:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req)))
+            tasks.append(asyncio.create_task(one(i, req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         bar.close()
@@ -433,11 +476,39 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "range_ratio": args.range_ratio,
+        "prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len,
+        "turns": args.turns,
         "seed": args.seed,
         "backend": args.backend,
         "prompts": "text" if args.tokenizer else "token ids",
     }
     return summary
+
+
+def build_requests(args: argparse.Namespace, max_model_len: int | None) -> list[BenchRequest]:
+    """The requests of ``args.dataset``."""
+    if args.dataset == "prefix":
+        return make_prefix_requests(
+            args.num_prompts, args.prefix_groups, args.prefix_len, args.input_len,
+            args.output_len, args.seed,
+        )  # fmt: skip
+    if args.dataset == "multi-turn":
+        return make_multi_turn_requests(
+            args.prefix_groups, args.turns, args.input_len, args.output_len, args.seed
+        )
+    lengths = sample_lengths(
+        args.dataset,
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.seed,
+        args.range_ratio,
+        max_model_len,
+    )
+    if args.tokenizer:
+        return make_text_requests(lengths, args.seed, _tokenizer_json(args.tokenizer))
+    return make_requests(lengths, args.seed)
 
 
 def _tokenizer_json(path: str) -> str:
@@ -452,11 +523,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument(
         "--dataset",
-        choices=["random", "sharegpt-like"],
+        choices=["random", "sharegpt-like", "prefix", "multi-turn"],
         default="random",
         help="random: --input-len/--output-len; sharegpt-like: seeded lengths with "
-        "ShareGPT's means (~200 in, ~180 out)" + d,
+        "ShareGPT's means (~200 in, ~180 out); prefix: --prefix-groups shared system "
+        "prompts of --prefix-len tokens, each request one plus an --input-len question; "
+        "multi-turn: --prefix-groups conversations of --turns turns, each resending the "
+        "conversation so far" + d,
     )
+    p.add_argument("--prefix-groups", type=int, default=8, help="prefix/multi-turn: groups" + d)
+    p.add_argument(
+        "--prefix-len", type=int, default=512, help="prefix: shared system-prompt tokens" + d
+    )
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation" + d)
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send" + d)
     p.add_argument(
         "--request-rate",

@@ -42,13 +42,15 @@ def block_hashes(
     block_size: int,
     salt: str | None = None,
     start: Sequence[BlockHash] = (),
+    num_tokens: int | None = None,
 ) -> list[BlockHash]:
-    """The hashes of every full block of ``token_ids``, continuing ``start`` (hashes of
-    the first ``len(start)`` blocks, already known). Stops before the first block that
-    holds a negative id (a token still being sampled)."""
+    """The hashes of every full block of ``token_ids[:num_tokens]`` (default: all),
+    continuing ``start`` (hashes of the first ``len(start)`` blocks, already known). Stops
+    before the first block that holds a negative id (a token still being sampled)."""
     out = list(start)
     parent = out[-1] if out else None
-    for b in range(len(out), len(token_ids) // block_size):
+    end = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+    for b in range(len(out), end // block_size):
         block = token_ids[b * block_size : (b + 1) * block_size]
         if min(block) < 0:
             break

@@ -120,7 +120,7 @@ class Scheduler:
         final (extended as tokens become known; kept across preemption)."""
         if len(seq.block_hashes) < num_tokens // self.blocks.block_size:
             seq.block_hashes = block_hashes(
-                seq.token_ids[:num_tokens], self.blocks.block_size, seq.cache_salt, seq.block_hashes
+                seq.token_ids, self.blocks.block_size, seq.cache_salt, seq.block_hashes, num_tokens
             )
         return seq.block_hashes
 

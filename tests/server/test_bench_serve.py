@@ -13,6 +13,8 @@ from kvscale.bench_serve import (
     RequestResult,
     arrival_delays,
     format_summary,
+    make_multi_turn_requests,
+    make_prefix_requests,
     make_requests,
     make_text_requests,
     percentile,
@@ -146,3 +148,30 @@ def test_sse_lines_break_only_at_newlines() -> None:
 
     lines = asyncio.run(collect())
     assert lines == ['data: {"t":"a\u2028b"}', "", "data: [DONE]", ""]
+
+
+def test_prefix_workload_interleaves_groups_sharing_their_system_prompt() -> None:
+    reqs = make_prefix_requests(10, groups=3, prefix_len=20, input_len=5, output_len=4, seed=0)
+    assert len(reqs) == 10 and all(len(r.prompt_token_ids) == 25 for r in reqs)
+    prefix = [r.prompt_token_ids[:20] for r in reqs]
+    assert prefix[0] == prefix[3] == prefix[6] == prefix[9] != prefix[1]
+    assert prefix[1] == prefix[4] != prefix[2]
+    assert len({tuple(r.prompt_token_ids) for r in reqs}) == 10  # questions differ
+    assert reqs == make_prefix_requests(10, 3, 20, 5, 4, seed=0)  # seeded
+
+
+def test_multi_turn_workload_resends_the_conversation_after_the_last_turn() -> None:
+    reqs = make_multi_turn_requests(conversations=2, turns=3, input_len=5, output_len=4, seed=0)
+    assert len(reqs) == 6
+    for t in range(3):
+        for c in range(2):
+            r = reqs[t * 2 + c]
+            assert len(r.prompt_token_ids) == 5 + t * 9
+            if t:
+                prev = reqs[r.after]  # type: ignore[index]
+                assert r.after == (t - 1) * 2 + c
+                assert r.prompt_token_ids[: len(prev.prompt_token_ids)] == prev.prompt_token_ids
+            else:
+                assert r.after is None
+    with pytest.raises(ValueError):
+        make_multi_turn_requests(0, 3, 5, 4, seed=0)

@@ -511,3 +511,30 @@ def test_prefix_cache_hits_move_the_metrics_and_salts_isolate(server: ServerProc
     # cached blocks stay cached but count as free: the autoscaler sees an idle server
     assert metric(m, "kvscale:kv_cache_usage_perc") == 0.0
     assert metric(m, "kvscale:kv_cache_blocks_free") == metric(m, "kvscale:kv_cache_blocks_total")
+
+
+@pytest.mark.parametrize(
+    ("dataset", "extra", "count"),
+    [
+        ("prefix", ["--num-prompts", "6", "--prefix-groups", "2", "--prefix-len", "40"], 6),
+        ("multi-turn", ["--prefix-groups", "2", "--turns", "3"], 6),
+    ],
+)
+def test_bench_serve_prefix_workloads_hit_the_cache(
+    server: ServerProcess, tmp_path: Path, dataset: str, extra: list[str], count: int
+) -> None:
+    from kvscale.cli import build_parser
+
+    before = _idle_metrics(server)
+    out = tmp_path / f"bench-{dataset}.json"
+    argv = [
+        "bench", "serve", "--base-url", server.url, "--api-key", KEY, "--dataset", dataset,
+        "--input-len", "20", "--output-len", "4", "--max-concurrency", "2", "--seed", "3",
+        "--result-file", str(out), "--disable-tqdm", *extra,
+    ]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    res = json.loads(out.read_text())
+    assert res["successful_requests"] == count and res["failed_requests"] == 0
+    hits = metric(_idle_metrics(server), "kvscale:prefix_cache_hits_total")
+    assert hits > metric(before, "kvscale:prefix_cache_hits_total")
