@@ -73,6 +73,9 @@ MAX_NUM_SEQS = 256
 A_SHAPE = (256, 512, 256)  # requests, input tokens, output tokens
 B_REQUESTS = 1000
 C_SHAPE = (128, 256)  # prompt tokens, output tokens
+# prefix caching: requests, groups, shared prefix, question, output tokens
+PREFIX_SHAPE = (256, 8, 1024, 128, 128)
+MULTI_TURN_SHAPE = (64, 4, 128, 128)  # conversations, turns, message, answer tokens
 CONCURRENCIES = (1, 16, 64, 256)
 SEED = 0
 PEER_SERVE_TIMEOUT_S = 300  # per concurrency level: the peer is ~10x slower than we are
@@ -87,6 +90,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "compile",
     "peer-serve",
     "peer-b",
+    "prefix",
 )
 
 
@@ -496,20 +500,20 @@ def _latency(llm: Any) -> dict[str, Any]:
 
 def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
     """Offline throughput of the given requests (greedy, ignore EOS)."""
-    import torch
-
     from kvscale.server import SamplingParams
 
     eng = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    eng.reset_prefix_cache()  # the warm-up's prompts must not be hits of the timed run
     steps = _instrument(eng)
-    pre = eng.stats().num_preemptions
-    torch.cuda.synchronize()
+    before = eng.stats()
+    _sync()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
+    _sync()
     wall = time.perf_counter() - t0
+    after = eng.stats()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(outputs), (n_out, sum(outputs))
     n_in = sum(len(p) for p in prompts)
@@ -521,9 +525,68 @@ def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
         "output_tok_per_s": n_out / wall,
         "total_tok_per_s": (n_out + n_in) / wall,
         "requests_per_s": len(prompts) / wall,
-        "preemptions": eng.stats().num_preemptions - pre,
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "prefix_cache_hit_rate": _hit_rate(before, after),
         "steps": summarize_steps(steps),
     }
+
+
+def _hit_rate(before: Any, after: Any) -> float:
+    """Prompt tokens found in the prefix cache over those looked up, between two stats."""
+    q = after.prefix_cache_queries - before.prefix_cache_queries
+    return (after.prefix_cache_hits - before.prefix_cache_hits) / q if q else 0.0
+
+
+def _multi_turn(llm: Any, conversations: int, turns: int, msg: int, answer: int) -> dict[str, Any]:
+    """Multi-turn chat offline: each turn's prompts (every conversation so far plus a new
+    message) run as one batch after the previous turn's."""
+    from kvscale.bench_serve import make_multi_turn_requests
+    from kvscale.server import SamplingParams
+
+    reqs = make_multi_turn_requests(conversations, turns, msg, answer, SEED)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=answer, ignore_eos=True)
+    llm.generate([r.prompt_token_ids for r in reqs[:4]], params)  # warm-up
+    eng.reset_prefix_cache()
+    before = eng.stats()
+    _sync()
+    t0 = time.perf_counter()
+    for t in range(turns):
+        batch = reqs[t * conversations : (t + 1) * conversations]
+        llm.generate([r.prompt_token_ids for r in batch], params)
+    _sync()
+    wall = time.perf_counter() - t0
+    n_in = sum(len(r.prompt_token_ids) for r in reqs)
+    return {
+        "wall_s": wall,
+        "requests": len(reqs),
+        "input_tokens": n_in,
+        "output_tokens": len(reqs) * answer,
+        "total_tok_per_s": (n_in + len(reqs) * answer) / wall,
+        "prefix_cache_hit_rate": _hit_rate(before, eng.stats()),
+    }
+
+
+def phase_prefix(ckpt: Path, **kw: Any) -> dict[str, Any]:
+    """Prefix caching off and on: its cost at a 0% hit rate (workload A's random prompts)
+    and its gain on shared system prompts and on multi-turn chat."""
+    from kvscale.bench_serve import make_prefix_requests
+
+    res: dict[str, Any] = {}
+    n, groups, prefix, question, out = PREFIX_SHAPE
+    shared = make_prefix_requests(n, groups, prefix, question, out, SEED)
+    for caching in (False, True):
+        key = "on" if caching else "off"
+        llm = _llm(ckpt, enable_prefix_caching=caching, **kw)
+        a_n, a_in, a_out = A_SHAPE
+        res[f"A_{key}"] = _offline(llm, _prompts(a_n, a_in, 1), [a_out] * a_n)
+        res[f"shared_prefix_{key}"] = _offline(
+            llm, [r.prompt_token_ids for r in shared], [r.output_len for r in shared]
+        )
+        res[f"multi_turn_{key}"] = _multi_turn(llm, *MULTI_TURN_SHAPE)
+        del llm
+        _free_gpu()
+    return res
 
 
 def _llm(ckpt: Path, **kw: Any) -> Any:
@@ -978,6 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
         "peer-serve": lambda: phase_peer_serve(ckpt, out, conc),
         "eager": lambda: phase_ours(ckpt, "C", enforce_eager=True),
         "compile": lambda: phase_ours(ckpt, "CA", compile=True),
+        "prefix": lambda: phase_prefix(ckpt),
     }
     for name in phases:
         path = out / f"phase_{name}.json"

@@ -150,3 +150,25 @@ def test_report_files_from_a_results_folder(tmp_path: Path) -> None:
     assert doc["meta"]["gpu"] == "H100" and doc["phases"]["serve"]["64"]["median_tpot_ms"] == 10.0
     png = (tmp_path / "serving.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_prefix_phase_measures_caching_off_and_on(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvscale.server import LLM
+
+    monkeypatch.setattr(eb, "A_SHAPE", (4, 20, 3))
+    monkeypatch.setattr(eb, "PREFIX_SHAPE", (8, 2, 48, 8, 3))
+    monkeypatch.setattr(eb, "MULTI_TURN_SHAPE", (2, 3, 10, 3))
+    monkeypatch.setattr(
+        eb, "_llm", lambda ckpt, **kw: LLM(str(ckpt), device="cpu", num_kv_blocks=128, **kw)
+    )
+    res = eb.phase_prefix(llama_ckpt)
+    for name in ("A", "shared_prefix", "multi_turn"):
+        assert res[f"{name}_off"]["prefix_cache_hit_rate"] == 0.0
+    assert res["A_on"]["prefix_cache_hit_rate"] == 0.0  # random prompts share nothing
+    # 6 of 8 requests find their group's 48-token prefix (3 blocks of 16) cached
+    assert res["shared_prefix_on"]["prefix_cache_hit_rate"] == pytest.approx(6 * 48 / (8 * 56))
+    # turns of 10, 23 and 36 tokens: the third finds the second's one full block cached
+    assert res["multi_turn_on"]["prefix_cache_hit_rate"] == pytest.approx(2 * 16 / (2 * 69))
+    assert res["shared_prefix_on"]["output_tokens"] == 8 * 3
