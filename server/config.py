@@ -145,9 +145,9 @@ class EngineConfig:
     )
     quantization: str | None = setting(
         None,
-        "weight quantization (only none)",
-        group="features",
-        not_yet="quantization is not supported yet",
+        "auto (default: as the checkpoint's config.json says) | none | fp8 (FP8 W8A8; on a "
+        "dense checkpoint, quantized at load) | compressed-tensors",
+        choices=("auto", "none", "fp8", "compressed-tensors"),
     )
     kv_cache_dtype: str = setting(
         "auto", "KV-cache dtype (only auto: the model dtype)", group="features",

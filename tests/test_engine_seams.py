@@ -63,7 +63,8 @@ def test_flags_cannot_be_abbreviated() -> None:
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in (0.0, 1.0]"),
         ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "must be >= max_num_seqs (64)"),
         ({"attention_backend": "flash"}, "attention_backend must be one of"),
-        ({"quantization": "fp8"}, "quantization is not supported yet"),
+        ({"quantization": "int8"}, "quantization must be one of"),
+        ({"speculative_model": "/draft"}, "speculative decoding is not supported yet"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
         ({"dtype": "int8"}, "'int8' is not supported"),
     ],
@@ -96,9 +97,9 @@ def test_a_quantized_checkpoint_is_refused_not_loaded_as_dense(
 ) -> None:
     ckpt = Path(shutil.copytree(llama_ckpt, tmp_path / "fp8"))
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="quant_method='compressed-tensors'"):
+    with pytest.raises(CheckpointError, match="quant_method='bitsandbytes'"):
         LLM(str(ckpt), device="cpu")
 
 

@@ -4,8 +4,9 @@ A layer knows its logical shape and how it is split across ranks; its ``LinearMe
 (dense, or a quantized format) creates the parameters for this rank's shard and runs the
 matmul. Every parameter carries ``weight_loader(param, full_tensor, shard_id=None)``,
 which copies this rank's slice of a checkpoint tensor, and sharding metadata
-(``output_dim``, ``input_dim``, ``packed_dim``/``pack_factor``: see
+(``output_dim``, ``input_dim``, ``packed_dim``/``pack_factor``, ``shard_scalar``: see
 ``quantization.base.set_weight_attrs``), so the loaders work for every method's tensors.
+A merged layer (q/k/v, gate/up) lists its shards' widths in ``output_partition_sizes``.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ class LinearBase(nn.Module):
         bias: bool,
         parallel: ParallelState,
         method: LinearMethod | None,
+        partitions: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
         self.in_per_rank = in_per_rank
         self.out_per_rank = out_per_rank
+        self.output_partition_sizes = partitions or [out_per_rank]  # this rank's shard widths
         self.linear_method = method or DenseLinearMethod()
         self.linear_method.create_weights(
             self, in_per_rank, out_per_rank, torch.get_default_dtype()
@@ -60,6 +63,9 @@ class LinearBase(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
+        if getattr(param, "shard_scalar", False):
+            _copy_checked(param.data[0], loaded.reshape(()))
+            return
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,16 +97,27 @@ class ColumnParallelLinear(LinearBase):
         parallel: ParallelState,
         method: LinearMethod | None = None,
         gather_output: bool = False,
+        partitions: list[int] | None = None,
     ) -> None:
         out = parallel.shard(out_features, "out_features")
-        super().__init__(in_features, out, bias, parallel, method)
+        super().__init__(in_features, out, bias, parallel, method, partitions)
         self.gather_output = gather_output
 
     def _load_rows(
-        self, param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int, rank: int
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        offset: int,
+        size: int,
+        rank: int,
+        shard: int = 0,
     ) -> None:
         """Copies rows ``[rank*size, (rank+1)*size)`` of the checkpoint's output dimension
-        into this shard's rows ``[offset, offset+size)`` (logical units)."""
+        into this shard's rows ``[offset, offset+size)`` (logical units); a per-shard
+        scalar (``shard_scalar``) goes to entry ``shard``."""
+        if getattr(param, "shard_scalar", False):
+            _copy_checked(param.data[shard], loaded.reshape(()))
+            return
         dim = getattr(param, "output_dim", None)
         if dim is None:  # not split (a per-tensor scale): every shard carries the same
             _copy_checked(param.data, loaded)
@@ -133,7 +150,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         method: LinearMethod | None = None,
     ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, parallel, method)
+        super().__init__(
+            in_features,
+            sum(output_sizes),
+            bias,
+            parallel,
+            method,
+            partitions=[parallel.shard(s, "output size") for s in output_sizes],
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -143,7 +167,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.parallel.world_size
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
-        self._load_rows(param, loaded, offset, size, self.parallel.rank)
+        self._load_rows(param, loaded, offset, size, self.parallel.rank, shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -166,7 +190,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
         out = (num_heads + 2 * self.num_kv_heads * tp) * head_dim
-        super().__init__(hidden_size, out, bias, parallel, method)
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, out, bias, parallel, method, partitions=[q, kv, kv])
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -175,11 +200,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_size = self.num_kv_heads * self.head_dim
         rank = self.parallel.rank
         if shard_id == "q":
-            self._load_rows(param, loaded, 0, q_size, rank)
+            self._load_rows(param, loaded, 0, q_size, rank, 0)
         elif shard_id == "k":
-            self._load_rows(param, loaded, q_size, kv_size, rank // self.kv_replicas)
+            self._load_rows(param, loaded, q_size, kv_size, rank // self.kv_replicas, 1)
         elif shard_id == "v":
-            self._load_rows(param, loaded, q_size + kv_size, kv_size, rank // self.kv_replicas)
+            self._load_rows(param, loaded, q_size + kv_size, kv_size, rank // self.kv_replicas, 2)
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
 
@@ -204,8 +229,11 @@ class RowParallelLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
+        if getattr(param, "shard_scalar", False):
+            _copy_checked(param.data[0], loaded.reshape(()))
+            return
         dim = getattr(param, "input_dim", None)
-        if dim is None:  # bias, per-tensor scales: not split
+        if dim is None:  # bias, per-channel scales: not split
             _copy_checked(param.data, loaded)
             return
         size = param.data.shape[dim]  # stored units, packing or grouping included

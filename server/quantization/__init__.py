@@ -11,32 +11,59 @@ from __future__ import annotations
 
 from kvscale.server.config import CheckpointError, ModelConfig
 from kvscale.server.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
+from kvscale.server.quantization.compressed_tensors import CompressedTensorsConfig
 from kvscale.server.quantization.dense import DenseLinearMethod
+from kvscale.server.quantization.fp8 import Fp8OnlineLinearMethod
 
 __all__ = [
+    "CompressedTensorsConfig",
     "DenseLinearMethod",
+    "Fp8OnlineConfig",
     "LinearMethod",
     "QuantizationConfig",
     "get_quantization",
     "set_weight_attrs",
 ]
 
-SUPPORTED: tuple[str, ...] = ()  # quant_method values implemented so far
+SUPPORTED = ("compressed-tensors (FP8 float-quantized)", "fp8 (on a dense checkpoint)")
+
+
+class Fp8OnlineConfig(QuantizationConfig):
+    """``quantization="fp8"`` on a dense checkpoint: every linear layer quantized at load."""
+
+    name = "fp8"
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return Fp8OnlineLinearMethod()
+
+    def describe(self) -> str:
+        return "fp8 at load: per-channel weight scales, dynamic per-token activations"
 
 
 def get_quantization(model: ModelConfig, requested: str | None) -> QuantizationConfig | None:
-    """The checkpoint's quantization (None: dense). Raises CheckpointError for a format
-    that is not implemented, or a ``requested`` method the checkpoint does not have."""
-    method = (model.quantization or {}).get("quant_method")
+    """The quantization to run ``model`` with (None: dense). ``requested``: the
+    ``quantization`` setting (None or "auto": whatever the checkpoint says). Raises
+    CheckpointError for a format that is not implemented, or a setting the checkpoint
+    cannot honour, naming both."""
+    raw = model.quantization or {}
+    method = raw.get("quant_method")
     if method is None:
-        if requested not in (None, "none"):
+        if requested in (None, "auto", "none"):
+            return None
+        if requested == "fp8":
+            return Fp8OnlineConfig()
+        raise CheckpointError(
+            f"quantization={requested!r} needs a checkpoint quantized that way; this one is "
+            "dense (use quantization='fp8' to quantize it at load)"
+        )
+    if method == "compressed-tensors":
+        if requested not in (None, "auto", "fp8", "compressed-tensors"):
             raise CheckpointError(
-                f"quantization={requested!r} was asked for, but the checkpoint is not "
-                "quantized (its config.json has no quantization_config)"
+                f"quantization={requested!r} does not match the checkpoint's {method!r}"
             )
-        return None
+        return CompressedTensorsConfig(raw)
     raise CheckpointError(
         f"the checkpoint is quantized with quant_method={method!r}, which kvscale cannot "
-        f"load yet (supported: {', '.join(SUPPORTED) or 'none so far'}); loading it as "
-        "dense weights would produce garbage"
+        f"load yet (supported: {', '.join(SUPPORTED)}); loading it as dense weights would "
+        "produce garbage"
     )

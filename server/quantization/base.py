@@ -51,3 +51,7 @@ class QuantizationConfig(ABC):
     def linear_method(self, prefix: str) -> LinearMethod:
         """The method for the linear layer named ``prefix`` (e.g. ``model.layers.0.mlp
         .down_proj``); layers a checkpoint leaves unquantized get ``DenseLinearMethod``."""
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return self.name

@@ -109,6 +109,8 @@ class Worker:
         # hand-written Triton kernels.
         ops.use_kernels(self.backend.name == "triton" and not eng.compile)
         quant = get_quantization(config.model, eng.quantization)
+        if quant is not None:
+            log.info("quantization: %s", quant.describe())
         self.model = load_model(config.model, eng.model, self.dtype, device, parallel, quant)
         self.compiled = eng.compile
         if eng.compile:

@@ -157,3 +157,27 @@ def test_steps_launch_without_a_device_sync(checkpoint_factory: Callable[..., Pa
     lens = [len(o.outputs[0].token_ids) for o in outs]
     assert all(n == 20 if i % 4 < 3 else 5 <= n <= 20 for i, n in enumerate(lens))
     assert any(graph_steps) and not all(graph_steps)
+
+
+def test_fp8_linear_on_cuda_matches_the_dequantized_product() -> None:
+    """``torch._scaled_mm`` with row-wise scales on the GPU (bf16 out), odd token counts."""
+    from kvscale.server.quantization.fp8 import fp8_linear, quantize_rows
+
+    torch.manual_seed(0)
+    for m in (1, 7, 33, 256):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+        wq, ws = quantize_rows(w)
+        y = fp8_linear(x, wq, ws.view(-1), None)
+        xq, xs = quantize_rows(x)
+        ref = (xq.float() * xs) @ (wq.float() * ws).T
+        assert y.dtype == torch.bfloat16
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2  # bf16 output rounding
+
+
+def test_fp8_engine_with_cuda_graphs_matches_eager(checkpoint_factory: Callable[..., Path]) -> None:
+    path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
+    eager, _ = _run(path, "triton", "bfloat16", quantization="fp8", enforce_eager=True)
+    graphs, llm = _run(path, "triton", "bfloat16", quantization="fp8")
+    assert llm.engine.worker.graphs is not None
+    assert graphs == eager

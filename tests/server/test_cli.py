@@ -53,7 +53,7 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--quantization", "fp8"], "quantization is not supported yet"),
+        (["--quantization", "int4"], "quantization must be one of"),
         (["--speculative-model", "/m"], "speculative decoding is not supported yet"),
         (["--num-speculative-tokens", "4"], "speculative decoding is not supported yet"),
         (["--tensor-parallel-size", "2"], "tensor parallelism is not supported yet"),

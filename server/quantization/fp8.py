@@ -1,0 +1,122 @@
+"""FP8 (E4M3) weights and activations: W8A8 linear layers on ``torch._scaled_mm``.
+
+Weights are stored ``[out, in]`` in ``float8_e4m3fn`` with one fp32 scale per output
+channel (per-tensor checkpoint scales are expanded to per-channel after loading, so
+merged q/k/v or gate/up shards keep their own scales). Activations are quantized per
+token (dynamic: ``absmax / 448`` per row) or with the checkpoint's static per-tensor
+``input_scale``. The GEMM is ``torch._scaled_mm`` with row-wise scales (per-token x
+per-channel), which cuBLASLt runs on Hopper and torch runs on the CPU: one code path
+for both. Dense inputs of other dtypes are never silently upcast: ``apply`` returns
+the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_SCALE = 1e-12  # guards all-zero rows
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (``[M, K]`` FP8, ``[M, 1]`` fp32 scales): ``x ~ q * scale``,
+    each row scaled by its absmax / 448."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` with a per-tensor fp32 ``scale`` (shape ``[]``) -> FP8."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [..., K]`` (bf16/fp16/fp32) @ FP8 ``weight [N, K]`` (per-channel fp32
+    ``weight_scale [N]``) -> ``[..., N]`` in ``x``'s dtype. ``input_scale`` (``[]``):
+    static activation scale; None quantizes each token on the fly."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if input_scale is None:
+        xq, xs = quantize_rows(x2)
+    else:
+        xq = quantize_static(x2, input_scale)
+        xs = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+    y = torch._scaled_mm(
+        xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype
+    )
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+class Fp8LinearMethod(LinearMethod):
+    """A layer of an FP8 checkpoint: ``weight`` FP8, ``weight_scale`` per channel
+    (``[out, 1]``) or per tensor (one scalar per merged shard), optional static
+    ``input_scale`` (one scalar per shard; their max is used)."""
+
+    def __init__(self, per_channel: bool, static_input: bool) -> None:
+        self.per_channel = per_channel
+        self.static_input = static_input
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
+    ) -> None:
+        shards = len(layer.output_partition_sizes)
+        w = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        layer.register_parameter("weight", set_weight_attrs(w, output_dim=0, input_dim=1))
+        if self.per_channel:
+            s = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(s, output_dim=0)
+        else:
+            s = nn.Parameter(torch.empty(shards, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(s, shard_scalar=True)
+        layer.register_parameter("weight_scale", s)
+        if self.static_input:
+            i = nn.Parameter(torch.empty(shards, dtype=torch.float32), requires_grad=False)
+            layer.register_parameter("input_scale", set_weight_attrs(i, shard_scalar=True))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scale = layer.weight_scale.data
+        if self.per_channel:
+            scale = scale.reshape(-1)
+        else:  # one scalar per merged shard -> one per output channel
+            sizes = layer.output_partition_sizes
+            scale = torch.cat([s.expand(n) for s, n in zip(scale, sizes, strict=True)])
+        layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
+        if self.static_input:
+            # q/k/v (gate/up) see the same input; checkpoints give each its own observer
+            layer.input_scale = nn.Parameter(layer.input_scale.data.max(), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        input_scale = layer.input_scale if self.static_input else None
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, input_scale)
+
+
+class Fp8OnlineLinearMethod(Fp8LinearMethod):
+    """``--quantization fp8`` on a dense checkpoint: loads the dense weight, then
+    quantizes it per output channel; activations are quantized per token."""
+
+    def __init__(self) -> None:
+        super().__init__(per_channel=True, static_input=False)
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
+    ) -> None:
+        w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        layer.register_parameter("weight", set_weight_attrs(w, output_dim=0, input_dim=1))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, scale = quantize_rows(layer.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale.reshape(-1), requires_grad=False)

@@ -1,0 +1,43 @@
+"""Quantized test checkpoints made by the real tool, llm-compressor's ``oneshot`` (CPU,
+seconds on the tiny models), from the random-weight checkpoints of ``demo_model``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CALIBRATION = dict(num_samples=8, seq_len=32, seed=0)
+
+
+def calibration_set() -> object:
+    """Random token ids: static activation observers need some input (no dataset can be
+    downloaded)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(CALIBRATION["seed"])
+    n, length = CALIBRATION["num_samples"], CALIBRATION["seq_len"]
+    ids = [torch.randint(3, 32000, (length,), generator=g).tolist() for _ in range(n)]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * length] * n})
+
+
+def compress(src: Path, dst: Path, scheme: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """``oneshot`` with a preset ``scheme`` (FP8_DYNAMIC, FP8, W4A16, ...) on ``src``,
+    saved compressed to ``dst`` with ``src``'s tokenizer."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
+    kwargs: dict[str, object] = {}
+    if scheme != "FP8_DYNAMIC":
+        kwargs = dict(
+            dataset=calibration_set(),
+            num_calibration_samples=CALIBRATION["num_samples"],
+            max_seq_length=CALIBRATION["seq_len"],
+        )
+    oneshot(model=model, recipe=recipe, **kwargs)
+    model.save_pretrained(dst, save_compressed=True)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
