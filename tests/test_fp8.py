@@ -113,17 +113,32 @@ def test_fp8_layers_match_compressed_tensors(fp8_checkpoints: dict[str, Path], n
 def test_fp8_greedy_is_stable_under_chunked_prefill_and_preemption(
     fp8_checkpoints: dict[str, Path],
 ) -> None:
+    """Chunked prefill and preemption change only the accumulation order of a few sums,
+    and per-token activation scales do not depend on the batch, so greedy tokens agree
+    with an unchunked run until a near tie: where a sequence first departs from the base
+    run, the token it took was within ``LOGPROB_ATOL`` of the base run's choice there (a
+    last-bit difference can flip one FP8 rounding and so a near tie, never more)."""
     path = str(fp8_checkpoints["llama-dynamic"])
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    base = [o.outputs[0].token_ids for o in LLM(path, device="cpu").generate(PROMPTS, params)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP)
+    base = [o.outputs[0] for o in LLM(path, device="cpu").generate(PROMPTS, params)]
     for kw in (
         dict(max_num_batched_tokens=16, max_num_seqs=16),
         dict(num_kv_blocks=14, max_model_len=96, block_size=8),
     ):
         llm = LLM(path, device="cpu", **kw)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        # per-token activation scales do not depend on the batch: the same tokens
-        assert got == base, kw
+        identical = 0
+        for b, g in zip(base, got, strict=True):
+            pairs = enumerate(zip(b.token_ids, g, strict=True))
+            j = next((i for i, (x, y) in pairs if x != y), None)
+            if j is None:
+                identical += 1
+                continue
+            lps = b.logprobs[j]
+            assert g[j] in lps, (kw, j, g[j], "not even in the base run's top tokens")
+            gap = lps[b.token_ids[j]].logprob - lps[g[j]].logprob
+            assert gap < LOGPROB_ATOL, (kw, j, gap)
+        assert identical >= len(PROMPTS) - 3, (kw, identical)
 
 
 def test_fp8_at_load_equals_llm_compressors_fp8_dynamic(

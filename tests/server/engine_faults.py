@@ -53,7 +53,9 @@ class InstantCore:
         self.active: dict[str, list[int]] = {}  # request id -> [tokens left, tokens done]
         self.steps = 0
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: Any, arrival: Any) -> None:
+    def add_request(
+        self, rid: str, prompt_ids: list[int], params: Any, arrival: Any, salt: Any = None
+    ) -> None:
         self.active[rid] = [params.max_tokens or 16, 0]
 
     def abort_request(self, rid: str) -> bool:

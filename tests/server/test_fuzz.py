@@ -34,6 +34,7 @@ OPERATIONS = [
     ("GET", "/ready"),
     ("GET", "/metrics"),
     ("GET", "/version"),
+    ("POST", "/reset_prefix_cache"),
 ]
 
 
