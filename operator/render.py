@@ -178,8 +178,8 @@ def server_args(spec: LLMDeploymentSpec, port: int = c.SERVER_PORT) -> list[str]
         args += ["--quantization", eng.quantization]
     if eng.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", eng.kv_cache_dtype]
-    if eng.prefix_caching:
-        args.append("--enable-prefix-caching")
+    if not eng.prefix_caching:  # on by default in the server
+        args.append("--no-enable-prefix-caching")
     if spec.speculative:
         # The draft runs in the sidecar container; the target reaches it over the pod's loopback.
         args += [

@@ -31,6 +31,7 @@ MANAGED_FLAGS = (
     "--quantization",
     "--kv-cache-dtype",
     "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
     "--speculative-model",
     "--num-speculative-tokens",
     "--api-key",
@@ -199,7 +200,7 @@ class EngineSpec:
     device: str = "cuda"
     tensor_parallel_size: int = 1
     quantization: str = "none"
-    prefix_caching: bool = False
+    prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.9
@@ -349,7 +350,7 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
         device=_enum(raw, "device", path, "cuda", DEVICES),
         tensor_parallel_size=tp,
         quantization=_enum(raw, "quantization", path, "none", QUANTIZATIONS),
-        prefix_caching=_bool(raw, "prefixCaching", path, False),
+        prefix_caching=_bool(raw, "prefixCaching", path, True),
         kv_cache_dtype=_enum(raw, "kvCacheDtype", path, "auto", KV_CACHE_DTYPES),
         max_num_seqs=_int(raw, "maxNumSeqs", path, 256, 1, 65536),
         gpu_memory_utilization=float(gmu),

@@ -98,7 +98,8 @@ def test_examples_apply_and_reconcile(cluster: Cluster) -> None:
     wait_for(lambda: cluster.get("v1", "services", NS, "qwen"), what="the qwen Service")
     assert cluster.get("policy/v1", "poddisruptionbudgets", NS, "qwen") is None  # one replica
     fp8 = wait_for(lambda: _deployment(cluster, "llama-8b-fp8"), what="the FP8 Deployment")
-    assert {"--enable-prefix-caching", "--quantization", "--kv-cache-dtype"} <= set(_args(fp8))
+    assert {"--quantization", "--kv-cache-dtype"} <= set(_args(fp8))
+    assert "--no-enable-prefix-caching" not in _args(fp8)  # on: the server's default
     status = wait_for(
         lambda: (
             (cluster.llmd(NS, "qwen") or {}).get("status", {}).get("endpoint")
@@ -233,11 +234,11 @@ def test_nothing_is_written_again_after_a_restart(cluster: Cluster) -> None:
 def test_a_spec_change_rolls_the_pods(cluster: Cluster) -> None:
     old = _deployment(cluster, "qwen")
     old_svc = cluster.get("v1", "services", NS, "qwen")
-    patch = '{"spec":{"engine":{"prefixCaching":true},"service":{"annotations":{"team":"ml"}}}}'
+    patch = '{"spec":{"engine":{"prefixCaching":false},"service":{"annotations":{"team":"ml"}}}}'
     cluster.kubectl("patch", "llmd", "qwen", "--type=merge", "-p", patch)
     new = wait_for(
         lambda: (
-            "--enable-prefix-caching" in _args(_deployment(cluster, "qwen"))
+            "--no-enable-prefix-caching" in _args(_deployment(cluster, "qwen"))
             and _deployment(cluster, "qwen")
         )
     )

@@ -54,8 +54,8 @@ def test_single_gpu_hf_model(make_llmd: MakeLLMD) -> None:
     assert _flag(args, "--model") == "/models/model"
     assert _flag(args, "--served-model-name") == "Qwen/Qwen2.5-1.5B"
     assert _flag(args, "--max-model-len") == "4096" and _flag(args, "--device") == "cuda"
-    for unimplemented in ("--tensor-parallel-size", "--quantization", "--enable-prefix-caching"):
-        assert unimplemented not in args  # defaults are left to the server
+    for default in ("--tensor-parallel-size", "--quantization", "--no-enable-prefix-caching"):
+        assert default not in args  # defaults are left to the server (prefix caching: on)
     # weights come from an init container into the shared cache volume
     (init,) = pod["initContainers"]
     assert init["command"][:3] == ["hf", "download", "Qwen/Qwen2.5-1.5B"]
@@ -104,7 +104,7 @@ def test_engine_flags_follow_the_spec(make_llmd: MakeLLMD) -> None:
         "engine": {
             "quantization": "fp8",
             "kvCacheDtype": "fp8",
-            "prefixCaching": True,
+            "prefixCaching": False,
             "maxNumSeqs": 64,
             "gpuMemoryUtilization": 0.85,
             "maxNumBatchedTokens": 8192,
@@ -117,7 +117,7 @@ def test_engine_flags_follow_the_spec(make_llmd: MakeLLMD) -> None:
     pod = _pod(objs)
     args = _container(pod)["args"]
     assert _flag(args, "--quantization") == "fp8" and _flag(args, "--kv-cache-dtype") == "fp8"
-    assert "--enable-prefix-caching" in args
+    assert "--no-enable-prefix-caching" in args
     assert (
         _flag(args, "--max-num-seqs") == "64" and _flag(args, "--gpu-memory-utilization") == "0.85"
     )
@@ -259,7 +259,7 @@ def test_hash_is_stable_ignores_replicas_and_changes_with_the_template(make_llmd
     _, _, again = _render(make_llmd, spec, replicas=5)
     key = c.SPEC_HASH_ANNOTATION
     assert one[0]["metadata"]["annotations"][key] == again[0]["metadata"]["annotations"][key]
-    _, _, changed = _render(make_llmd, {**spec, "engine": {"prefixCaching": True}})
+    _, _, changed = _render(make_llmd, {**spec, "engine": {"prefixCaching": False}})
     assert one[0]["metadata"]["annotations"][key] != changed[0]["metadata"]["annotations"][key]
     assert one[1]["metadata"]["annotations"][key] == changed[1]["metadata"]["annotations"][key]
 
@@ -277,7 +277,7 @@ def test_hash_is_stable_ignores_replicas_and_changes_with_the_template(make_llmd
                 "tensorParallelSize": 2,
                 "quantization": "fp8",
                 "kvCacheDtype": "fp8",
-                "prefixCaching": True,
+                "prefixCaching": False,
             },
         },
         {
