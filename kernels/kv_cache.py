@@ -5,7 +5,9 @@ Layouts:
     k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous
     slot_mapping:  ``[T]`` int64, slot = ``block_id * block_size + offset_in_block``;
                    a negative slot means "do not write" (padding).
-Values are cast to the cache dtype.
+Values are cast to the cache dtype. An FP8 (E4M3) cache stores ``x / scale`` rounded to
+E4M3 with one fp32 scale per layer for K and one for V (``k_scale``, ``v_scale``: ``[]``
+tensors on the device, read by the kernel so that CUDA graphs see later updates).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvscale.kernels._utils import is_interpreter, next_power_of_2
+from kvscale.kernels.fp8 import is_fp8, quantize_e4m3, quantize_fp8_ref
 
 
 # Sizes that change every step are not specialized on, so no step recompiles.
@@ -25,6 +28,8 @@ def _write_kv_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_tokens,
     num_slots,
     stride_kt,
@@ -35,6 +40,7 @@ def _write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
     TOKENS: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # One program moves TOKENS tokens x BLOCK elements of K and of V, so that several
     # independent loads are in flight per thread.
@@ -51,6 +57,9 @@ def _write_kv_cache_kernel(
     t64 = t.to(tl.int64)[:, None]
     k = tl.load(k_ptr + t64 * stride_kt + (head * stride_kh + d)[None, :], mask=mask, other=0.0)
     v = tl.load(v_ptr + t64 * stride_vt + (head * stride_vh + d)[None, :], mask=mask, other=0.0)
+    if QUANT:
+        k = quantize_e4m3(k, tl.load(k_scale_ptr))
+        v = quantize_e4m3(v, tl.load(v_scale_ptr))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -61,7 +70,11 @@ def _check(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    if is_fp8(k_cache.dtype) and (k_scale is None or v_scale is None):
+        raise ValueError(f"a {k_cache.dtype} cache needs k_scale and v_scale")
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
             f"k, v must be [T, Hkv, D] of one shape, got {tuple(k.shape)}, {tuple(v.shape)}"
@@ -82,9 +95,13 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes ``k[t], v[t]`` to slot ``slot_mapping[t]`` of ``k_cache, v_cache`` (skips < 0)."""
-    _check(k, v, k_cache, v_cache, slot_mapping)
+    """Writes ``k[t], v[t]`` to slot ``slot_mapping[t]`` of ``k_cache, v_cache`` (skips < 0);
+    an FP8 cache gets ``k / k_scale`` and ``v / v_scale``."""
+    _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    quant = is_fp8(k_cache.dtype)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -103,6 +120,8 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if quant else k,
+        v_scale if quant else v,
         num_tokens,
         num_slots,
         k.stride(0),
@@ -113,6 +132,7 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         BLOCK=block,
         TOKENS=tokens,
+        QUANT=quant,
         num_warps=4,
     )
 
@@ -123,11 +143,17 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Pure-torch reference of :func:`write_kv_cache`."""
-    _check(k, v, k_cache, v_cache, slot_mapping)
+    _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k.shape[1:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+    k, v = k[keep], v[keep]
+    if is_fp8(k_cache.dtype):
+        assert k_scale is not None and v_scale is not None
+        k, v = quantize_fp8_ref(k, k_scale), quantize_fp8_ref(v, v_scale)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v.to(v_cache.dtype)

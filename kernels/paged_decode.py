@@ -3,6 +3,7 @@
 Layouts:
     q:            ``[B, num_heads, head_dim]`` fp16 / bf16 / fp32 (last dim contiguous)
     k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, q's dtype
+                  or FP8 (E4M3) with per-layer fp32 ``k_scale``/``v_scale`` (``[]`` tensors)
     block_tables: ``[B, max_blocks_per_seq]`` int32; entries past a sequence's blocks are never read
     seq_lens:     ``[B]`` int32, tokens in the cache for each sequence (including the new one)
     out:          ``[B, num_heads, head_dim]`` in q's dtype
@@ -13,6 +14,9 @@ one (sequence, kv head) and all query heads of that group (padded to >= 16 rows 
 output accumulator are fp32 (online softmax, exp2 domain); ``tl.dot`` takes its operands in
 the storage dtype (16-bit products are exact, accumulation is fp32; fp32 operands use IEEE
 precision). ``head_dim`` and ``block_size`` must be powers of two (>= 16 and >= 1).
+
+An FP8 cache is read as is and upcast to q's dtype in registers (exact); its scales are
+folded in: ``k_scale`` into the score scale, ``v_scale`` into the output.
 
 Split-KV (flash-decoding): with ``num_splits > 1`` each sequence's context is cut into
 ``num_splits`` chunks processed by separate programs that write partial (max, sum, acc) to
@@ -34,6 +38,7 @@ from kvscale.kernels._utils import (
     next_power_of_2,
     num_sms,
 )
+from kvscale.kernels.fp8 import is_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -82,6 +87,8 @@ def _paged_decode_kernel(
     m_ptr,
     l_ptr,
     acc_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2e,
     num_seqs,
     num_heads,
@@ -101,6 +108,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -128,6 +136,9 @@ def _paged_decode_kernel(
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
     acc = tl.zeros([QG_PAD, HEAD_DIM], tl.float32)
+    qk_scale = scale_log2e
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     kv_head_off = g * stride_khead
     for tok0 in range(start, end, BLOCK_N):
         offs_n = tok0 + tl.arange(0, BLOCK_N)
@@ -138,16 +149,22 @@ def _paged_decode_kernel(
         tok_off = blk * stride_kblk + (offs_n % BLOCK_SIZE) * stride_ktok + kv_head_off
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        if KV_FP8:
+            k = k.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     out_mask = row_mask[:, None] & d_mask[None, :]
     if SPLIT:
         part = (b * num_heads + heads) * NUM_SPLITS + s
@@ -212,6 +229,8 @@ def _check(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("expected q [B, Hq, D] and k_cache, v_cache [blocks, block_size, Hkv, D]")
@@ -225,8 +244,29 @@ def _check(
         raise ValueError("seq_lens must be [B]")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}")
+    check_cache_dtype(q, k_cache, v_cache, k_scale, v_scale)
+
+
+def check_cache_dtype(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """The cache holds q's dtype, or FP8 with both scales given."""
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype}, {v_cache.dtype}")
+    if is_fp8(k_cache.dtype):
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"a {k_cache.dtype} cache needs k_scale and v_scale")
+    elif q.dtype != k_cache.dtype:
+        raise ValueError(f"q and cache dtypes differ: {q.dtype}, {k_cache.dtype}")
+
+
+def dequantized(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``cache`` in fp32, times ``scale`` when it is FP8 (the references' view of a cache)."""
+    return cache.float() * scale if is_fp8(cache.dtype) else cache.float()
 
 
 def paged_decode_attention(
@@ -239,13 +279,17 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns ``out [B, Hq, D]`` (q's dtype).
 
     ``num_splits``: None chooses with :func:`choose_num_splits`, using ``max_seq_len`` (or,
-    without it, the block table's capacity, so no device sync is needed).
+    without it, the block table's capacity, so no device sync is needed). ``k_scale``,
+    ``v_scale``: an FP8 cache's fp32 scales (``[]``).
     """
-    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    _check(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
+    kv_fp8 = is_fp8(k_cache.dtype)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if not (is_power_of_2(head_dim) and head_dim >= 16 and is_power_of_2(block_size)):
@@ -289,6 +333,8 @@ def paged_decode_attention(
         m_buf,
         l_buf,
         acc_buf,
+        k_scale if kv_fp8 else out,
+        v_scale if kv_fp8 else out,
         scale * LOG2E,
         batch,
         num_heads,
@@ -308,6 +354,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         SPLIT=split,
         DOT_PREC=dot_precision(q.dtype),
+        KV_FP8=kv_fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -347,9 +394,11 @@ def paged_decode_attention_ref(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference (fp32 softmax); ``num_splits``/``max_seq_len`` are ignored."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    _check(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     num_heads = q.shape[1]
     group = num_heads // k_cache.shape[2]
     if out is None:
@@ -358,8 +407,9 @@ def paged_decode_attention_ref(
         if seq_len == 0:
             out[b] = 0
             continue
-        k = gather_kv(k_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        k = dequantized(gather_kv(k_cache, block_tables[b], seq_len), k_scale)
+        v = dequantized(gather_kv(v_cache, block_tables[b], seq_len), v_scale)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
         probs = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", probs, v).to(out.dtype)

@@ -4,6 +4,7 @@ Layouts:
     q:               ``[T, num_heads, head_dim]`` fp16 / bf16 / fp32 (last dim contiguous), the
                      new tokens of B sequences flattened in sequence order
     k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, q's dtype
+                     or FP8 (E4M3) with per-layer fp32 ``k_scale``/``v_scale`` (``[]`` tensors)
     query_start_loc: ``[B+1]`` int32 cumulative new-token offsets into q
     seq_lens:        ``[B]`` int32 tokens of each sequence in the cache (earlier context + new)
     block_tables:    ``[B, max_blocks_per_seq]`` int32; entries past a sequence's blocks unread
@@ -21,7 +22,8 @@ head, so each K/V tile is loaded once per group. KV tiles of ``BLOCK_N`` tokens 
 through the block table; tiles entirely visible to every row skip the causal mask and tiles
 entirely in the future are never visited. Softmax statistics and accumulators are fp32;
 ``tl.dot`` takes operands in the storage dtype (fp32 operands use IEEE precision).
-``head_dim`` and ``block_size`` must be powers of two (head_dim >= 16).
+``head_dim`` and ``block_size`` must be powers of two (head_dim >= 16). An FP8 cache is
+upcast to q's dtype in registers; ``k_scale`` joins the score scale, ``v_scale`` the output.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import triton
 import triton.language as tl
 
 from kvscale.kernels._utils import dot_precision, is_interpreter, is_power_of_2, next_power_of_2
-from kvscale.kernels.paged_decode import gather_kv
+from kvscale.kernels.fp8 import is_fp8
+from kvscale.kernels.paged_decode import check_cache_dtype, dequantized, gather_kv
 
 LOG2E = 1.4426950408889634
 
@@ -81,6 +84,7 @@ def _attn_tiles(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
     scale_log2e,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -92,6 +96,8 @@ def _attn_tiles(
         tok_off = blk * stride_kblk + (offs_n % BLOCK_SIZE) * stride_ktok + kv_head_off
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
         if CAUSAL:
             visible = offs_n[None, :] <= q_pos[:, None]
@@ -101,6 +107,8 @@ def _attn_tiles(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -131,6 +139,8 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2e,
     num_seqs,
     stride_qt,
@@ -148,6 +158,7 @@ def _paged_prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Flat grid over query tiles: sequence b owns tiles [qsl[b] // BLOCK_Q + b, ...), at
     # least cdiv(query_len_b, BLOCK_Q) of them, so decode rows cost one program per kv head.
@@ -184,6 +195,8 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if KV_FP8:
+        scale_log2e = scale_log2e * tl.load(k_scale_ptr)
     bt_row_ptr = block_tables_ptr + b * stride_bt
     kv_head_off = g * stride_khead
     first_pos = ctx_len + q_tile0
@@ -209,6 +222,7 @@ def _paged_prefill_kernel(
         BLOCK_N,
         False,
         DOT_PREC,
+        KV_FP8,
         scale_log2e,
     )
     acc, l_i, m_i = _attn_tiles(
@@ -230,10 +244,13 @@ def _paged_prefill_kernel(
         BLOCK_N,
         True,
         DOT_PREC,
+        KV_FP8,
         scale_log2e,
     )
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -248,6 +265,8 @@ def _check(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("expected q [T, Hq, D] and k_cache, v_cache [blocks, block_size, Hkv, D]")
@@ -262,8 +281,7 @@ def _check(
         raise ValueError("block_tables must be [B, max_blocks_per_seq]")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}")
+    check_cache_dtype(q, k_cache, v_cache, k_scale, v_scale)
 
 
 def paged_prefill_attention(
@@ -276,13 +294,17 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token to its sequence's cached tokens; ``out [T, Hq, D]``.
 
     ``max_query_len`` (host int, >= every query length) is only used to skip empty batches:
     the launch grid is flat over query tiles, sized from T and B without a device sync.
+    ``k_scale``, ``v_scale``: an FP8 cache's fp32 scales (``[]``).
     """
-    _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, k_scale, v_scale)
+    kv_fp8 = is_fp8(k_cache.dtype)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
     if not (is_power_of_2(head_dim) and head_dim >= 16 and is_power_of_2(block_size)):
@@ -313,6 +335,8 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        k_scale if kv_fp8 else out,
+        v_scale if kv_fp8 else out,
         scale * LOG2E,
         batch,
         q.stride(0),
@@ -330,6 +354,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_N=cfg["BLOCK_N"],
         DOT_PREC=dot_precision(q.dtype),
+        KV_FP8=kv_fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -346,9 +371,11 @@ def paged_prefill_attention_ref(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference: gathers each sequence's K/V, masked softmax in fp32."""
-    _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, k_scale, v_scale)
     group = q.shape[1] // k_cache.shape[2]
     if out is None:
         out = torch.empty_like(q)
@@ -358,8 +385,9 @@ def paged_prefill_attention_ref(
         q_len = q1 - q0
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        k = dequantized(gather_kv(k_cache, block_tables[b], seq_len), k_scale)
+        v = dequantized(gather_kv(v_cache, block_tables[b], seq_len), v_scale)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)

@@ -150,9 +150,11 @@ class EngineConfig:
         choices=("auto", "none", "fp8", "compressed-tensors"),
     )
     kv_cache_dtype: str = setting(
-        "auto", "KV-cache dtype (only auto: the model dtype)", group="features",
-        not_yet="only 'auto' (the model dtype) is supported yet",
-    )  # fmt: skip
+        "auto",
+        "auto (the model dtype, or FP8 when the checkpoint has an FP8 kv_cache_scheme) | fp8 | "
+        "fp8_e4m3 (FP8 E4M3 with per-layer scales: the checkpoint's, else calibrated at start)",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
     speculative_model: str | None = setting(
         None, "draft model", group="features", not_yet="speculative decoding is not supported yet"
     )
@@ -245,17 +247,25 @@ class EngineConfig:
         Raises CheckpointError or ValueError with the reason."""
         path = self.resolve_model_path()
         model = ModelConfig.from_path(path)
+        from kvscale.kernels.fp8 import is_fp8
         from kvscale.server.quantization import get_quantization
+        from kvscale.server.quantization.kv_cache import resolve_kv_cache_dtype
+        from kvscale.server.worker.kv_calibration import calibration_ids
 
         get_quantization(model, self.quantization)  # refuses formats not implemented
         device = self.torch_device()
+        dtype = self.torch_dtype(model, device)
+        kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model, dtype)
+        calibration = calibration_ids(tokenizer, model.vocab_size) if is_fp8(kv_dtype) else ()
         return ResolvedConfig(
             engine=replace(self, model=path),
             model=model,
             max_model_len=self.resolve_max_model_len(model),
             eos_token_ids=frozenset(eos_token_ids(Path(path), model, tokenizer)),
             device=str(device),
-            dtype=self.torch_dtype(model, device),
+            dtype=dtype,
+            kv_cache_dtype=kv_dtype,
+            calibration_ids=calibration,
         )
 
 
@@ -461,6 +471,8 @@ class ResolvedConfig:
     eos_token_ids: frozenset[int]
     device: str  # "cpu", "cuda", "cuda:N"
     dtype: torch.dtype  # weights and activations
+    kv_cache_dtype: torch.dtype  # the model dtype, or FP8
+    calibration_ids: tuple[int, ...] = ()  # tokens that calibrate FP8 KV scales if needed
 
     @property
     def max_num_batched_tokens(self) -> int:

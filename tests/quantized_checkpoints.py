@@ -21,17 +21,31 @@ def calibration_set() -> object:
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * length] * n})
 
 
-def compress(src: Path, dst: Path, scheme: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+FP8_KV_CACHE_SCHEME = {
+    "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+}  # fmt: skip
+
+
+def compress(
+    src: Path,
+    dst: Path,
+    scheme: str,
+    ignore: tuple[str, ...] = ("lm_head",),
+    kv_cache_scheme: dict[str, object] | None = None,
+) -> Path:
     """``oneshot`` with a preset ``scheme`` (FP8_DYNAMIC, FP8, W4A16, ...) on ``src``,
-    saved compressed to ``dst`` with ``src``'s tokenizer."""
+    saved compressed to ``dst`` with ``src``'s tokenizer. ``kv_cache_scheme`` (e.g.
+    ``FP8_KV_CACHE_SCHEME``) also calibrates per-layer K/V scales."""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
+    recipe = QuantizationModifier(
+        targets="Linear", scheme=scheme, ignore=list(ignore), kv_cache_scheme=kv_cache_scheme
+    )
     kwargs: dict[str, object] = {}
-    if scheme != "FP8_DYNAMIC":
+    if scheme != "FP8_DYNAMIC" or kv_cache_scheme:
         kwargs = dict(
             dataset=calibration_set(),
             num_calibration_samples=CALIBRATION["num_samples"],

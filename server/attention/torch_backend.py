@@ -25,7 +25,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv: LayerKV,
         meta: AttentionMetadata,
     ) -> None:
-        write_kv_cache_ref(k, v, kv.k, kv.v, meta.slot_mapping)
+        write_kv_cache_ref(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
 
     def attend(
         self,
@@ -43,4 +43,6 @@ class TorchAttentionBackend(AttentionBackend):
             meta.block_tables,
             meta.max_query_len,
             scale,
+            k_scale=kv.k_scale,
+            v_scale=kv.v_scale,
         )

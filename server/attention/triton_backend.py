@@ -26,7 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv: LayerKV,
         meta: AttentionMetadata,
     ) -> None:
-        write_kv_cache(k, v, kv.k, kv.v, meta.slot_mapping)
+        write_kv_cache(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
 
     def attend(
         self,
@@ -44,6 +44,8 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 scale,
                 max_seq_len=meta.max_seq_len,
+                k_scale=kv.k_scale,
+                v_scale=kv.v_scale,
             )
         return paged_prefill_attention(
             q,
@@ -54,4 +56,6 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables,
             meta.max_query_len,
             scale,
+            k_scale=kv.k_scale,
+            v_scale=kv.v_scale,
         )

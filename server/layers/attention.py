@@ -49,6 +49,12 @@ def _(
     return torch.empty_like(q)
 
 
+def _load_scalar(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
+    if loaded.numel() != 1:
+        raise ValueError(f"a per-tensor KV scale must hold one value, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded.reshape(()))
+
+
 class Attention(nn.Module):
     """``q [T, Hq*D]``, ``k, v [T, Hk*D]`` -> ``[T, Hq*D]`` (this rank's heads)."""
 
@@ -59,6 +65,12 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv: LayerKV | None = None  # bound by KVPool.bind
+        # An FP8-KV checkpoint's scales, as loaded (NaN: it has none); the worker hands
+        # them to the KV pool, whose LayerKV holds the scales in use.
+        for name in ("k_scale", "v_scale"):
+            p = nn.Parameter(torch.tensor(float("nan"), dtype=torch.float32), requires_grad=False)
+            p.weight_loader = _load_scalar  # type: ignore[attr-defined]
+            self.register_parameter(name, p)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q = q.reshape(-1, self.num_heads, self.head_dim)

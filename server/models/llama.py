@@ -9,6 +9,7 @@ the checkpoint's quantization (``QuantizationConfig``, None: dense) by its name.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -153,6 +154,9 @@ class LlamaModel(nn.Module):
         return x
 
 
+# an FP8-KV checkpoint's per-layer scales (llm-compressor: ``self_attn.k_scale``)
+_KV_SCALE = re.compile(r"\.self_attn\.(k_scale|v_scale)$")
+
 # checkpoint name fragment -> (our parameter fragment, shard id)
 _STACKED = (
     (".q_proj.", ".qkv_proj.", "q"),
@@ -194,6 +198,8 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
+            if name.endswith((".attn.k_scale", ".attn.v_scale")):
+                continue  # only FP8-KV checkpoints have them
             if ".qkv_proj." in name:
                 needed.update((name, s) for s in "qkv")
             elif ".gate_up_proj." in name:
@@ -205,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if ckpt_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            name, shard = ckpt_name, None
+            name, shard = _KV_SCALE.sub(r".self_attn.attn.\1", ckpt_name), None
             for frag, ours, shard_id in _STACKED:
                 if frag in ckpt_name:
                     name, shard = ckpt_name.replace(frag, ours), shard_id

@@ -4,8 +4,9 @@ Supported now: the ``float-quantized`` format with FP8 E4M3 weights (``strategy`
 ``channel`` or ``tensor``, symmetric, static) and FP8 activations (``dynamic`` per
 ``token``, or static per ``tensor`` with an ``input_scale``), on layers matched by the
 ``Linear`` target, with an ``ignore`` list (names or ``re:`` patterns, in the
-checkpoint's own layer names) left dense. Anything else (int4 packing, weight-only
-schemes, block or group strategies, a ``kv_cache_scheme``, sparsity) is refused with
+checkpoint's own layer names) left dense. A ``kv_cache_scheme`` (an FP8 KV cache with
+per-layer scales) is the KV cache's business (``quantization.kv_cache``). Anything else
+(int4 packing, weight-only schemes, block or group strategies, sparsity) is refused with
 what was found and what is supported.
 """
 
@@ -46,10 +47,6 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def __init__(self, raw: dict[str, Any]) -> None:
         fmt = raw.get("format")
-        if raw.get("kv_cache_scheme"):
-            raise _refuse(
-                "kv_cache_scheme (an FP8 KV cache with checkpoint scales) is not supported yet"
-            )
         if raw.get("sparsity_config"):
             raise _refuse("sparsity_config is not supported")
         groups = list((raw.get("config_groups") or {}).values())

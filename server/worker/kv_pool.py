@@ -1,10 +1,12 @@
 """The paged KV pool of one rank: every layer's K and V blocks in one object.
 
 Layout of one layer: ``k`` and ``v``, each ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` in the cache dtype (this rank's KV heads only). ``k_scale``/``v_scale`` are
-per-layer fp32 scalars, 1.0 unless the cache is quantized. The attention backends
-write and read a layer through its ``LayerKV``; the attention layers are bound to theirs
-once the pool is allocated (``bind``).
+head_dim]`` in the cache dtype (this rank's KV heads only): the model dtype, or FP8 (E4M3,
+one byte per element, so twice bf16's tokens in the same memory). ``k_scale``/``v_scale``
+are per-layer fp32 scalars on the device: an FP8 cache holds ``x / scale``; 1.0 and unused
+otherwise. The attention backends write and read a layer through its ``LayerKV``; the
+attention layers are bound to theirs once the pool is allocated (``bind``). Scales survive
+re-allocation (``set_scales``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from kvscale.kernels.fp8 import is_fp8
 
 
 @dataclass
@@ -54,6 +58,13 @@ class KVPool:
         self.device = device
         self.num_blocks = 0
         self.layers: list[LayerKV] = []
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
+
+    @property
+    def quantized(self) -> bool:
+        """The cache stores FP8 with per-layer scales."""
+        return is_fp8(self.dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -71,15 +82,28 @@ class KVPool:
         self.layers = []  # drop the old tensors before taking new memory
         self.num_blocks = num_blocks
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        for _ in range(self.num_layers):
+        for i in range(self.num_layers):
             self.layers.append(
                 LayerKV(
                     k=torch.empty(shape, dtype=self.dtype, device=self.device),
                     v=torch.empty(shape, dtype=self.dtype, device=self.device),
-                    k_scale=torch.ones((), dtype=torch.float32, device=self.device),
-                    v_scale=torch.ones((), dtype=torch.float32, device=self.device),
+                    k_scale=torch.tensor(self.k_scales[i], dtype=torch.float32, device=self.device),
+                    v_scale=torch.tensor(self.v_scales[i], dtype=torch.float32, device=self.device),
                 )
             )
+
+    def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
+        """Sets every layer's scales (kept for later allocations; written in place, so
+        captured CUDA graphs see them)."""
+        if len(k_scales) != self.num_layers or len(v_scales) != self.num_layers:
+            raise ValueError(f"{len(k_scales)}/{len(v_scales)} scales for {self.num_layers} layers")
+        bad = [s for s in (*k_scales, *v_scales) if not (s > 0 and s < float("inf"))]
+        if bad:
+            raise ValueError(f"KV-cache scales must be positive and finite, got {bad[:4]}")
+        self.k_scales, self.v_scales = [float(s) for s in k_scales], [float(s) for s in v_scales]
+        for kv, ks, vs in zip(self.layers, self.k_scales, self.v_scales, strict=True):
+            kv.k_scale.fill_(ks)
+            kv.v_scale.fill_(vs)
 
     def bind(self, attn_layers: Sequence[BindsKV]) -> None:
         """Points each attention layer at its ``LayerKV`` (layer ``i`` at ``layers[i]``)."""

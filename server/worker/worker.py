@@ -13,8 +13,10 @@ device resolves from ``last_tokens``.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvscale.server.attention.backend import get_backend
@@ -29,6 +31,7 @@ from kvscale.server.parallel import SINGLE, ParallelState
 from kvscale.server.quantization import get_quantization
 from kvscale.server.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from kvscale.server.worker.host_to_device import to_device
+from kvscale.server.worker.kv_calibration import KVScaleCalibration
 from kvscale.server.worker.kv_pool import KVPool
 from kvscale.server.worker.step import SamplingPlan, StepInput, profile_step, resolve_placeholders
 
@@ -124,7 +127,7 @@ class Worker:
             first.num_kv_heads,
             first.head_dim,
             eng.block_size,
-            self.dtype,
+            config.kv_cache_dtype,
             device,
         )
         self.generator = torch.Generator(device=device)
@@ -140,6 +143,15 @@ class Worker:
         self.num_kv_blocks = parallel.min_int(num_blocks, device)  # every rank holds as many
         self.kv_pool.allocate(self.num_kv_blocks)
         self.kv_pool.bind(self.attn_layers)
+        log.info(
+            "KV cache: %d blocks of %d tokens, %s (%.2f GiB)",
+            self.num_kv_blocks,
+            eng.block_size,
+            str(config.kv_cache_dtype).removeprefix("torch."),
+            self.kv_pool.nbytes / 2**30,
+        )
+        if self.kv_pool.quantized:
+            self._init_kv_scales()
         self.graphs: DecodeGraphs | None = None
         max_batch = min(eng.cuda_graph_max_batch, eng.max_num_seqs)
         use_graphs = device.type == "cuda" and self.backend.name == "triton"
@@ -189,6 +201,44 @@ class Worker:
             )
         log.info("KV cache: %d blocks (%.1f GiB)", blocks, blocks * self.bytes_per_block / 2**30)
         return int(blocks)
+
+    def _init_kv_scales(self) -> None:
+        """An FP8 cache's scales: the checkpoint's, else calibrated on a fixed prompt."""
+        ks = [float(layer.k_scale) for layer in self.attn_layers]
+        vs = [float(layer.v_scale) for layer in self.attn_layers]
+        source = "from the checkpoint"
+        if not all(math.isfinite(s) for s in ks + vs):
+            ks, vs = self._calibrate_kv_scales()
+            source = "calibrated"
+        self.kv_pool.set_scales(ks, vs)
+        log.info(
+            "FP8 KV cache scales (%s): k %.3g-%.3g, v %.3g-%.3g",
+            source, min(ks), max(ks), min(vs), max(vs),
+        )  # fmt: skip
+
+    def _calibrate_kv_scales(self) -> tuple[list[float], list[float]]:
+        """Per-layer K and V scales from one prefill of the calibration tokens."""
+        ids = self.config.calibration_ids
+        capacity = self.num_kv_blocks * self.block_size
+        n = min(len(ids), self.config.max_num_batched_tokens, capacity)
+        if n < 1:
+            raise ValueError("an FP8 KV cache without checkpoint scales needs calibration tokens")
+        log.warning(
+            "FP8 KV cache: the checkpoint has no KV scales; calibrating them on %d tokens of "
+            "built-in text (per-layer absmax, %.0fx headroom)",
+            n,
+            KVScaleCalibration.headroom,
+        )
+        step = profile_step(n, self.block_size)
+        step.arrays["ids"] = np.asarray(ids[:n], dtype=np.int64)
+        inner, self.backend = self.backend, KVScaleCalibration(self.backend)
+        try:
+            with torch.inference_mode():
+                self._forward_eager(step, to_device(step.arrays, self.device))
+        finally:
+            self.backend = inner
+        layers = self.kv_pool.layers
+        return [float(kv.k_scale) for kv in layers], [float(kv.v_scale) for kv in layers]
 
     # ---- one step ------------------------------------------------------------------
     def decode_graph_size(self, num_seqs: int) -> int:

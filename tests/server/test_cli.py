@@ -57,7 +57,7 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--speculative-model", "/m"], "speculative decoding is not supported yet"),
         (["--num-speculative-tokens", "4"], "speculative decoding is not supported yet"),
         (["--tensor-parallel-size", "2"], "tensor parallelism is not supported yet"),
-        (["--kv-cache-dtype", "fp8"], "only 'auto'"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "kv_cache_dtype must be one of"),
         (["--block-size", "7"], "block_size must be one of"),
         (["--max-queue-len", "0"], "--max-queue-len must be >= 1"),
         (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
