@@ -55,3 +55,41 @@ def compress(
     model.save_pretrained(dst, save_compressed=True)
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
     return dst
+
+
+def block_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """A Hugging Face ``fp8`` checkpoint of ``src`` in transformers' FineGrainedFP8 layout
+    (as DeepSeek-V3 and Qwen3-FP8 publish): every linear ``*_proj.weight`` becomes FP8
+    E4M3 with one ``weight_scale_inv`` (absmax / 448) per ``block`` tile; the rest, and
+    ``lm_head``, stay as they are."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    bn, bk = block
+    out: dict[str, torch.Tensor] = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if not (name.endswith("_proj.weight") and w.dim() == 2):
+            out[name] = w
+            continue
+        n, k = w.shape
+        tiles = w.float().reshape(n // bn, bn, k // bk, bk)
+        amax = tiles.abs().amax(dim=(1, 3))
+        inv = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        q = (tiles / inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[name] = q.reshape(n, k)
+        out[name.removesuffix("weight") + "weight_scale_inv"] = inv
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [bn, bk],
+        "modules_to_not_convert": ["lm_head"],
+    }
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst

@@ -14,18 +14,23 @@ from kvscale.server.quantization.base import LinearMethod, QuantizationConfig, s
 from kvscale.server.quantization.compressed_tensors import CompressedTensorsConfig
 from kvscale.server.quantization.dense import DenseLinearMethod
 from kvscale.server.quantization.fp8 import Fp8OnlineLinearMethod
+from kvscale.server.quantization.hf_fp8 import HfFp8Config
 
 __all__ = [
     "CompressedTensorsConfig",
     "DenseLinearMethod",
     "Fp8OnlineConfig",
+    "HfFp8Config",
     "LinearMethod",
     "QuantizationConfig",
     "get_quantization",
     "set_weight_attrs",
 ]
 
-SUPPORTED = ("compressed-tensors (FP8 float-quantized)", "fp8 (on a dense checkpoint)")
+SUPPORTED = (
+    "compressed-tensors (FP8 float-quantized)",
+    "fp8 (block-wise FP8 checkpoints, or quantized at load from a dense one)",
+)
 
 
 class Fp8OnlineConfig(QuantizationConfig):
@@ -62,6 +67,12 @@ def get_quantization(model: ModelConfig, requested: str | None) -> QuantizationC
                 f"quantization={requested!r} does not match the checkpoint's {method!r}"
             )
         return CompressedTensorsConfig(raw)
+    if method == "fp8":
+        if requested not in (None, "auto", "fp8"):
+            raise CheckpointError(
+                f"quantization={requested!r} does not match the checkpoint's {method!r}"
+            )
+        return HfFp8Config(raw)
     raise CheckpointError(
         f"the checkpoint is quantized with quant_method={method!r}, which kvscale cannot "
         f"load yet (supported: {', '.join(SUPPORTED)}); loading it as dense weights would "

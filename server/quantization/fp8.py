@@ -15,10 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvscale.kernels.fp8 import FP8_E4M3 as FP8
+from kvscale.kernels.fp8 import FP8_MAX
+from kvscale.kernels.fp8_gemm import quantize_groups
+from kvscale.server.config import CheckpointError
+from kvscale.server.layers import ops
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # guards all-zero rows
 
 
@@ -120,3 +123,43 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
         q, scale = quantize_rows(layer.weight.data)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.reshape(-1), requires_grad=False)
+
+
+class Fp8BlockLinearMethod(LinearMethod):
+    """Block-wise FP8 weights (Hugging Face ``fp8``): ``weight`` FP8 ``[out, in]`` and
+    ``weight_scale_inv`` fp32 ``[out / bn, in / bk]``; activations quantized per token
+    and group of ``bk`` columns; the block-scaled GEMM (``ops.w8a8_block_matmul``)."""
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.block = block
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
+    ) -> None:
+        bn, bk = self.block
+        sizes = layer.output_partition_sizes
+        if any(n % bn for n in sizes) or in_features % bk:
+            raise CheckpointError(
+                f"a layer of {in_features} inputs and {sizes} outputs does not split into the "
+                f"checkpoint's {bn}x{bk} weight blocks (per shard)"
+            )
+        w = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        layer.register_parameter("weight", set_weight_attrs(w, output_dim=0, input_dim=1))
+        s = torch.empty(out_features // bn, in_features // bk, dtype=torch.float32)
+        # one stored row (column) per bn (bk) logical outputs (inputs): sharded like packing
+        scale = set_weight_attrs(
+            nn.Parameter(s, requires_grad=False),
+            output_dim=0,
+            input_dim=1,
+            packed_dim=0,
+            pack_factor=bn,
+        )
+        layer.register_parameter("weight_scale_inv", scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        xq, xs = quantize_groups(x.reshape(-1, shape[-1]), self.block[1])
+        y = ops.w8a8_block_matmul(xq, xs, layer.weight, layer.weight_scale_inv, self.block, x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*shape[:-1], y.shape[-1])

@@ -181,3 +181,29 @@ def test_fp8_engine_with_cuda_graphs_matches_eager(checkpoint_factory: Callable[
     graphs, llm = _run(path, "triton", "bfloat16", quantization="fp8")
     assert llm.engine.worker.graphs is not None
     assert graphs == eager
+
+
+def test_fp8_kv_cache_triton_matches_torch_backend(checkpoint_factory: Callable[..., Path]) -> None:
+    """An FP8 KV cache through the Triton kernels (write, decode, prefill; chunked prefill
+    and preemption forced) against the torch backend on the same calibrated scales: the
+    same bytes in the cache, so the same greedy tokens up to accumulation order (fp32)."""
+    path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
+    ref, ref_llm = _run(path, "torch", "float32", kv_cache_dtype="fp8", **STRESS)
+    got, llm = _run(path, "triton", "float32", kv_cache_dtype="fp8", **STRESS)
+    assert llm.engine.worker.kv_pool.k_scales == pytest.approx(
+        ref_llm.engine.worker.kv_pool.k_scales
+    )
+    assert llm.engine.stats().num_preemptions > 0
+    assert _mean_common_prefix(got, ref) >= 20  # of 24: at most a late near tie apart
+
+
+def test_fp8_kv_cache_with_cuda_graphs_matches_eager(
+    checkpoint_factory: Callable[..., Path],
+) -> None:
+    path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
+    kw = dict(quantization="fp8", kv_cache_dtype="fp8")
+    eager, _ = _run(path, "triton", "bfloat16", enforce_eager=True, **kw)
+    graphs, llm = _run(path, "triton", "bfloat16", **kw)
+    assert llm.engine.worker.graphs is not None
+    assert llm.engine.worker.kv_pool.layers[0].k.dtype == torch.float8_e4m3fn
+    assert graphs == eager

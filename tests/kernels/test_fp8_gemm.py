@@ -1,0 +1,69 @@
+"""The block-scaled FP8 GEMM against its torch reference (dequantize, fp32 matmul), and
+the reference against the definition, on odd shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvscale.kernels.fp8_gemm import (
+    dequantize_blocks,
+    quantize_groups,
+    w8a8_block_matmul,
+    w8a8_block_matmul_ref,
+)
+from kvscale.kernels.testing import kernel_dtypes, on_native_gpu, rel_error
+
+
+def _weight(n: int, k: int, block: tuple[int, int], device: torch.device):
+    """A random FP8 weight and block scales as a checkpoint would hold them."""
+    w = torch.randn(n, k, device=device) * torch.logspace(-2, 1, k, device=device)
+    gn, gk = block
+    rows, cols = -(-n // gn), k // gk
+    pad = torch.zeros(rows * gn, k, device=device)
+    pad[:n] = w
+    amax = pad.reshape(rows, gn, cols, gk).abs().amax(dim=(1, 3))
+    scale = amax / 448
+    q = (pad / scale.repeat_interleave(gn, 0).repeat_interleave(gk, 1))[:n]
+    return q.clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("out_dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 256, 256), (7, 200, 384), (33, 384, 128)])
+def test_block_gemm_matches_ref(out_dtype: torch.dtype, m: int, n: int, k: int, device) -> None:
+    block = (128, 128)
+    x = torch.randn(m, k, device=device) * 3
+    xq, xs = quantize_groups(x, block[1])
+    wq, ws = _weight(n, k, block, device)
+    got = w8a8_block_matmul(xq, xs, wq, ws, block, out_dtype)
+    ref = w8a8_block_matmul_ref(xq, xs, wq, ws, block, torch.float32)
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    limit = 1e-5 if out_dtype == torch.float32 else 1e-2  # 16-bit output rounding
+    assert rel_error(got, ref) < limit
+    # the reference is the definition: dequantized activations times dequantized weight
+    exact = (xq.double() * xs.double().repeat_interleave(block[1], 1)) @ (
+        dequantize_blocks(wq, ws, block).double().T
+    )
+    assert rel_error(ref, exact) < 1e-6
+    # and close to the unquantized product: FP8 keeps ~3 significant bits per factor
+    assert rel_error(ref, x @ dequantize_blocks(wq, ws, block).T) < 0.08
+
+
+def test_group_quantization_round_trips_within_one_fp8_step(device: torch.device) -> None:
+    x = torch.randn(5, 256, device=device) * torch.logspace(-3, 2, 256, device=device)
+    q, s = quantize_groups(x, 128)
+    back = q.float() * s.repeat_interleave(128, 1)
+    assert s.shape == (5, 2) and q.dtype == torch.float8_e4m3fn
+    assert ((back - x).abs() <= x.abs() / 16 + s.repeat_interleave(128, 1) * 2**-9).all()
+
+
+@pytest.mark.skipif(not on_native_gpu(), reason="needs CUDA without the interpreter")
+def test_block_gemm_at_llama_shapes_bf16() -> None:
+    block = (128, 128)
+    for m in (1, 16, 300):
+        x = torch.randn(m, 4096, device="cuda")
+        xq, xs = quantize_groups(x, 128)
+        wq, ws = _weight(6144, 4096, block, torch.device("cuda"))
+        got = w8a8_block_matmul(xq, xs, wq, ws, block, torch.bfloat16)
+        ref = w8a8_block_matmul_ref(xq, xs, wq, ws, block, torch.float32)
+        assert rel_error(got, ref) < 1e-2
