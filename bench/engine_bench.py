@@ -91,6 +91,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "peer-serve",
     "peer-b",
     "prefix",
+    "fp8",
 )
 
 
@@ -589,6 +590,24 @@ def phase_prefix(ckpt: Path, **kw: Any) -> dict[str, Any]:
     return res
 
 
+FP8_VARIANTS = {  # name -> engine settings, against phase "ours" (bf16)
+    "fp8_weights": dict(quantization="fp8"),
+    "fp8_weights_kv": dict(quantization="fp8", kv_cache_dtype="fp8"),
+}
+
+
+def phase_fp8(ckpt: Path, out_dir: Path) -> dict[str, Any]:
+    """FP8 at load (weights; weights + KV cache) on the bf16 checkpoint: C and A offline,
+    D at c=64, and the KV pool's size (tokens) next to bf16's."""
+    res: dict[str, Any] = {}
+    for name, kw in FP8_VARIANTS.items():
+        r = phase_ours(ckpt, "CA", **kw)
+        flags = tuple(f"--{k.replace('_', '-')}={v}" for k, v in kw.items())
+        r["serve"] = phase_serve(ckpt, out_dir, [64], flags, tag=name)
+        res[name] = r
+    return res
+
+
 def _llm(ckpt: Path, **kw: Any) -> Any:
     from kvscale.server import LLM
 
@@ -804,8 +823,15 @@ def _serve(
             _free_gpu()
 
 
-def phase_serve(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dict[str, Any]:
-    """D on kvscale serve (CUDA graphs on, defaults otherwise)."""
+def phase_serve(
+    ckpt: Path,
+    out_dir: Path,
+    concurrencies: list[int],
+    extra: tuple[str, ...] = (),
+    tag: str = "kvscale",
+) -> dict[str, Any]:
+    """D on kvscale serve (CUDA graphs on, defaults otherwise; ``extra`` flags added,
+    client results saved as ``serve_<tag>_c<N>.json``)."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [
@@ -830,15 +856,16 @@ def phase_serve(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dict[str
         "--disable-access-log",
         "--log-level",
         "warning",
+        *extra,
     ]
 
     def clients() -> dict[str, Any]:
         return {
-            str(c): _run_client(base, ckpt, c, out_dir, "kvscale", "kvscale", serve_prompts(c), 600)
+            str(c): _run_client(base, ckpt, c, out_dir, tag, "kvscale", serve_prompts(c), 600)
             for c in concurrencies
         }
 
-    res = _serve(cmd, f"{base}/ready", clients, out_dir / "server_kvscale.log")
+    res = _serve(cmd, f"{base}/ready", clients, out_dir / f"server_{tag}.log")
     res["command"] = " ".join(cmd[1:])
     return res
 
@@ -1042,6 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
         "eager": lambda: phase_ours(ckpt, "C", enforce_eager=True),
         "compile": lambda: phase_ours(ckpt, "CA", compile=True),
         "prefix": lambda: phase_prefix(ckpt),
+        "fp8": lambda: phase_fp8(ckpt, out),
     }
     for name in phases:
         path = out / f"phase_{name}.json"
