@@ -295,23 +295,6 @@ class LLMDeploymentSpec:
         """GPUs the server container asks for: the TP size, none on CPU."""
         return self.engine.tensor_parallel_size if self.engine.device == "cuda" else 0
 
-    @property
-    def secrets(self) -> list[tuple[str, SecretRef]]:
-        """Every Secret the pods need, with the field that names it."""
-        found = []
-        if self.model.source.credentials:
-            found.append(("spec.model.credentialsSecretRef", self.model.source.credentials))
-        if self.speculative and self.speculative.draft_model.credentials:
-            found.append(
-                (
-                    "spec.speculative.draftModel.credentialsSecretRef",
-                    self.speculative.draft_model.credentials,
-                )
-            )
-        if self.service.api_key:
-            found.append(("spec.service.apiKeySecretRef", self.service.api_key))
-        return found
-
 
 def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
     path = "spec.model"
