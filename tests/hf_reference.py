@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,3 +62,57 @@ def assert_greedy_agrees_up_to_near_ties(
         gap = lps[b.token_ids[j]].logprob - lps[g[j]].logprob
         assert gap < atol, (j, gap)
     assert diverged <= max_diverged, diverged
+
+
+# chunked prefill (16-token budget), then preemption (too few KV blocks)
+CHUNKING = (
+    dict(max_num_batched_tokens=16, max_num_seqs=16),
+    dict(num_kv_blocks=14, max_model_len=96, block_size=8),
+)
+
+
+def assert_stable_under_chunking(
+    path: Path, prompts: list[list[int]], atol: float, max_diverged: int = 3
+) -> None:
+    """Greedy tokens of ``path`` with chunked prefill, then with preemption forced, agree
+    with an unconstrained run up to near ties (``assert_greedy_agrees_up_to_near_ties``),
+    and every KV block is free at the end."""
+    from kvscale.server import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    base = [o.outputs[0] for o in LLM(str(path), device="cpu").generate(prompts, params)]
+    for kw in CHUNKING:
+        llm = LLM(str(path), device="cpu", **kw)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert_greedy_agrees_up_to_near_ties(base, got, atol, max_diverged)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        if "num_kv_blocks" in kw:
+            assert llm.engine.stats().num_preemptions > 0
+
+
+# a transformers Linear -> (kvscale's fused layer holding it, which output shard)
+FUSED_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+
+
+def linear_layer_pairs(
+    ref: torch.nn.Module, ours: torch.nn.Module, prompt: list[int]
+) -> Iterator[tuple[str, torch.nn.Module, Any, int, torch.Tensor, torch.Tensor]]:
+    """Runs transformers' ``ref`` on ``prompt`` and yields, for each of its linear layers
+    but ``lm_head``: its name, the layer, kvscale's layer holding it (in ``ours``), the
+    output shard index there, and the layer's input ``[T, in]`` and output ``[T, out]``."""
+    seen: dict[str, tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = {}
+    for n, m in ref.named_modules():
+        if isinstance(m, torch.nn.Linear) and n != "lm_head":
+            m.register_forward_hook(
+                lambda mod, a, out, n=n: seen.__setitem__(n, (mod, a[0][0].detach(), out[0]))
+            )
+    with torch.no_grad():
+        ref(torch.tensor([prompt]))
+    assert len(seen) == 7 * ref.config.num_hidden_layers
+    modules = dict(ours.named_modules())
+    for n, (hf, x, y) in seen.items():
+        head, _, leaf = n.rpartition(".")
+        fused, shard = FUSED_SHARDS.get(leaf, (leaf, 0))
+        yield n, hf, modules[f"{head}.{fused}"], shard, x, y.detach()

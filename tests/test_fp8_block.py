@@ -22,7 +22,7 @@ from kvscale.kernels.fp8_gemm import dequantize_blocks
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.config import CheckpointError
 from kvscale.server.quantization.fp8 import FP8
-from tests.hf_reference import assert_greedy_agrees_up_to_near_ties, random_prompts
+from tests.hf_reference import assert_stable_under_chunking, linear_layer_pairs, random_prompts
 
 from .quantized_checkpoints import block_fp8
 
@@ -31,10 +31,6 @@ TOP = 5
 LAYER_RTOL = 1e-5  # per layer, relative to the output's largest value
 # Whole model: last-bit differences flip a few FP8 roundings downstream (test_fp8.py).
 LOGPROB_ATOL = 0.1
-
-# HF layer -> (our fused layer, which output shard)
-_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -71,22 +67,9 @@ def test_block_fp8_layers_match_transformers(block_checkpoints: dict[str, Path],
         "weight_block_size"
     ][1]
     ref = _reference(path)
-    ours = dict(LLM(str(path), device="cpu").engine.worker.model.named_modules())
-    assert ours["model.layers.0.self_attn.qkv_proj"].weight.dtype == FP8
-    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for n, m in ref.named_modules():
-        if isinstance(m, torch.nn.Linear) and n != "lm_head":
-            m.register_forward_hook(
-                lambda mod, a, out, n=n: seen.__setitem__(n, (a[0].detach(), out.detach()))
-            )
-    with torch.no_grad():
-        ref(torch.tensor([PROMPTS[0]]))
-    assert len(seen) == 7 * ref.config.num_hidden_layers
-    for n, (x, _) in seen.items():
-        head, _, leaf = n.rpartition(".")
-        fused, shard = _SHARDS.get(leaf, (leaf, 0))
-        layer = ours[f"{head}.{fused}"]
-        hf = dict(ref.named_modules())[n]
+    ours = LLM(str(path), device="cpu").engine.worker.model
+    assert ours.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    for n, hf, layer, shard, x, _ in linear_layer_pairs(ref, ours, PROMPTS[0]):
         rows = slice(
             sum(layer.output_partition_sizes[:shard]),
             sum(layer.output_partition_sizes[: shard + 1]),
@@ -97,8 +80,8 @@ def test_block_fp8_layers_match_transformers(block_checkpoints: dict[str, Path],
         assert torch.equal(mine, hf.weight.float()), n
         # the layer: transformers' layer on the FP8-rounded input
         with torch.no_grad():
-            out = layer(x[0]).split(layer.output_partition_sizes, dim=-1)[shard]
-            expect = hf(_fp8_round_trip(x[0], group))
+            out = layer(x).split(layer.output_partition_sizes, dim=-1)[shard]
+            expect = hf(_fp8_round_trip(x, group))
         err = (out - expect).abs().max() / expect.abs().max()
         assert err < LAYER_RTOL, (n, float(err))
 
@@ -129,14 +112,7 @@ def test_block_fp8_model_tracks_transformers(block_checkpoints: dict[str, Path])
 def test_block_fp8_greedy_is_stable_under_chunked_prefill_and_preemption(
     block_checkpoints: dict[str, Path],
 ) -> None:
-    path = str(block_checkpoints["qwen2-64"])
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP)
-    base = [o.outputs[0] for o in LLM(path, device="cpu").generate(PROMPTS, params)]
-    kw = dict(max_num_batched_tokens=16, max_num_seqs=16, num_kv_blocks=14, max_model_len=96)
-    llm = LLM(path, device="cpu", block_size=8, **kw)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    assert llm.engine.stats().num_preemptions > 0
-    assert_greedy_agrees_up_to_near_ties(base, got, 0.1, max_diverged=3)
+    assert_stable_under_chunking(block_checkpoints["qwen2-64"], PROMPTS, LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize(
