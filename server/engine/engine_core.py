@@ -249,6 +249,7 @@ class EngineCore:
             bitmask = self.grammars.fill(
                 [None if s.is_finished else s.grammar for s in rows],
                 [grammar_bans.get(s.seq_id) for s in rows],
+                [s.params.structured_outputs.kind for s in rows],  # type: ignore[union-attr]
             )
             pending = self.worker.sample(forwarded, bitmask)
         else:

@@ -40,6 +40,21 @@ class GrammarBackend:
             self.info, max_threads=2, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES
         )
         self.batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        self.no_control_chars = self._no_control_chars_mask()
+
+    def _no_control_chars_mask(self) -> np.ndarray:
+        """``int32 [W]``: every token except those whose bytes hold a control character
+        (< 0x20). Compact JSON never contains one raw, but xgrammar 0.2.8 compiles a
+        string with ``maxLength`` to ``[^"\\\r\n]{0,n}``, which lets them through; JSON
+        masks are ANDed with this."""
+        width = bitmask_width(self.vocab_size)
+        bits = np.ones(width * 32, dtype=bool)
+        for tid, piece in enumerate(self.info.decoded_vocab[: self.vocab_size]):
+            if any(b < 0x20 for b in piece):
+                bits[tid] = False
+        bits[self.vocab_size :] = False
+        words = (bits.reshape(width, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(1)
+        return words.astype(np.uint32).view(np.int32)
 
     def compile(self, kind: str, spec: str) -> Any:
         """A compiled grammar (``xgrammar.CompiledGrammar``); raises on a bad spec."""
@@ -64,8 +79,9 @@ class GrammarBackend:
         """A fresh matcher at the grammar's start."""
         return self._xgr.GrammarMatcher(compiled)
 
-    def fill(self, matchers: list[Any]) -> np.ndarray:
-        """``int32 [len(matchers), W]``: each matcher's allowed next tokens."""
+    def fill(self, matchers: list[Any], json_rows: list[bool] | None = None) -> np.ndarray:
+        """``int32 [len(matchers), W]``: each matcher's allowed next tokens (rows marked
+        in ``json_rows`` never allow a raw control character)."""
         import torch
 
         out = torch.empty((len(matchers), bitmask_width(self.vocab_size)), dtype=torch.int32)
@@ -73,4 +89,7 @@ class GrammarBackend:
             matchers[0].fill_next_token_bitmask(out, 0)
         else:
             self.batch.batch_fill_next_token_bitmask(matchers, out)
-        return out.numpy()
+        masks = out.numpy()
+        if json_rows is not None and any(json_rows):
+            masks[np.asarray(json_rows)] &= self.no_control_chars
+        return masks

@@ -21,6 +21,8 @@ from kvscale.server.structured.params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
+JSON_KINDS = ("json", "json_object")
+
 
 class GrammarManager:
     """``tokenizer_path``: where the engine's tokenizer is (loaded on first use, in the
@@ -52,8 +54,11 @@ class GrammarManager:
         assert self._backend is not None
         return self._backend.matcher(compiled)
 
-    def fill(self, matchers: list[Any], bans: list[list[int] | None]) -> np.ndarray:
-        """``int32 [R, W]`` bitmasks of ``matchers`` (None: a finished row, all allowed).
+    def fill(
+        self, matchers: list[Any], bans: list[list[int] | None], kinds: list[str]
+    ) -> np.ndarray:
+        """``int32 [R, W]`` bitmasks of ``matchers`` (None: a finished row, all allowed);
+        ``kinds[i]``: row i's ``StructuredOutputsParams.kind``.
         ``bans[i]``: tokens row i may not take now (EOS before ``min_tokens``), cleared
         from its mask unless that would leave it nothing (then the grammar wins: it can
         only end)."""
@@ -61,7 +66,8 @@ class GrammarManager:
         live = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         out = np.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         if live:
-            out[live] = self._backend.fill([matchers[i] for i in live])
+            json_rows = [kinds[i] in JSON_KINDS for i in live]
+            out[live] = self._backend.fill([matchers[i] for i in live], json_rows)
         live_set = set(live)
         for i, ban in enumerate(bans):
             if not ban or i not in live_set:

@@ -115,7 +115,15 @@ def is_lark(grammar: str) -> bool:
 def check(params: StructuredOutputsParams) -> None:
     """Builds the spec's grammar (not its token masks) with xgrammar; InvalidRequestError
     naming the problem if it cannot. Safe to call from any thread."""
-    import xgrammar as xgr
+    try:
+        import xgrammar as xgr
+    except ImportError as e:
+        raise InvalidRequestError(
+            "structured outputs need the xgrammar package, which this server lacks "
+            "(pip install xgrammar)",
+            param=params.param,
+            code="unsupported",
+        ) from e
 
     kind, spec = params.key
     try:
