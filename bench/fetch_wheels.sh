@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (a machine with PyPI): downloads into .whl/ the Python 3.12 wheels that the GPU
-# machine lacks for `kvscale serve`, `transformers serve` (the D peer) and the demo
-# tokenizers and structured outputs (xgrammar); carry .whl with the device call and `source bench/gpu_setup.sh` there.
+# machine lacks for `kvscale serve` (structured outputs' xgrammar included), `transformers
+# serve` (the D peer) and the demo tokenizers; carry .whl with the device call and
+# `source bench/gpu_setup.sh` there.
 # Versions are requirements-dev.txt's pins (one source); the two it lacks are pinned here.
 # The image's own torch, triton, transformers, numpy, aiohttp, uvloop and prometheus-client
 # are used as they are.
