@@ -221,3 +221,64 @@ def test_prompt_logprobs_equal_transformers_log_softmax(llm: LLM, llama_ckpt: Pa
             assert lo <= entry[tok].rank <= hi
             top = row.topk(2).indices.tolist()
             assert set(top) <= set(entry)
+
+
+def test_a_grammar_that_fails_to_compile_drops_only_its_request(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eng = llm.engine
+    backend = eng.core.grammars._get_backend()
+    real = backend.compile
+
+    def compile_or_fail(kind: str, spec: str) -> object:
+        if spec == "q+":
+            raise RuntimeError("compiler exploded")
+        return real(kind, spec)
+
+    monkeypatch.setattr(backend, "compile", compile_or_fail)
+    eng.add_request("bad", PROMPTS[0], SamplingParams(structured_outputs=SO(regex="q+")))
+    eng.add_request("good", PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.add_request("json", PROMPTS[2], _params("json", 0.0))
+    finished, errors = {}, []
+    for _ in range(500):
+        if not eng.has_unfinished_requests():
+            break
+        try:
+            outs = eng.step()
+        except InvalidRequestError as e:
+            errors.append(str(e))
+            continue
+        finished.update({o.request_id: o for o in outs if o.finished})
+    assert errors == ["request 'bad' was dropped: cannot compile the grammar: compiler exploded"]
+    assert set(finished) == {"good", "json"}
+    assert _valid("json", finished["json"].outputs[0].text)
+    assert (
+        not eng.core.requests and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    )
+
+
+def test_only_steps_with_constrained_rows_split_forward_and_sampling(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = llm.engine.worker
+    calls = {"forward": 0, "launch": 0}
+    real_forward, real_launch = worker.forward, worker.launch
+
+    def forward(step):  # type: ignore[no-untyped-def]
+        calls["forward"] += 1
+        return real_forward(step)
+
+    def launch(step):  # type: ignore[no-untyped-def]
+        calls["launch"] += 1
+        return real_launch(step)
+
+    monkeypatch.setattr(worker, "forward", forward)
+    monkeypatch.setattr(worker, "launch", launch)
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # launch() runs forward() then sample(): free steps go through launch only, as before
+    assert calls["launch"] > 0 and calls["forward"] == calls["launch"]
+    calls.update(forward=0, launch=0)
+    out = llm.generate(PROMPTS[:1], _params("choice", 0.0))[0].outputs[0]
+    assert out.text in CHOICES
+    # one split step per token, and at most one more: launched before the EOS was read
+    assert len(out.token_ids) <= calls["forward"] - calls["launch"] <= len(out.token_ids) + 1
