@@ -114,3 +114,22 @@ def test_mistral_ids_are_nine_alphanumerics() -> None:
     plan = ToolPlan("auto", [], get_parser("mistral"), id_style="mistral")
     _, calls, _ = message_parts(plan, f"[TOOL_CALLS]weather[ARGS]{W}", "stop")
     assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("hermes", 'Hi <tool_call>{"name": "weath'),
+        ("mistral", "Hi [TOOL_CALLS]weath"),
+        ("llama3_json", '{"na'),
+    ],
+)
+def test_output_cut_before_a_call_has_a_name_is_content(parser: str, text: str) -> None:
+    plan = ToolPlan("auto", [], get_parser(parser))
+    content, calls, finish = message_parts(plan, text, "length")
+    assert (content, calls, finish) == (text, [], "length")
+    stream = ToolStream(plan)
+    sent = "".join(
+        stream.delta(text[:end], final=end == len(text))[0] for end in range(1, len(text) + 1)
+    )
+    assert sent == text and not stream.called

@@ -222,6 +222,8 @@ class ToolStream:
         """New content and tool-call deltas (OpenAI's shape) for the text so far."""
         parsed = _parsed(self.plan, text, final)
         content = parsed.content or ""  # the parser holds back a tail that may start a call
+        if final and not any(c.name is not None for c in parsed.calls):
+            content = text  # no call after all (e.g. cut short): all of it is content
         new_content = content[self.content_sent :] if len(content) > self.content_sent else ""
         self.content_sent = max(self.content_sent, len(content))
         deltas: list[dict[str, Any]] = []
