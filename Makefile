@@ -14,11 +14,12 @@ export PYTHONSAFEPATH := 1
 venv: $(STAMP)
 
 # torch first, pinned to the CPU wheel, or pip would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml setup.py requirements-dev.txt
+$(STAMP): pyproject.toml setup.py requirements-dev.txt requirements-eval.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements-eval.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

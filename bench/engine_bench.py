@@ -92,6 +92,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "peer-b",
     "prefix",
     "fp8",
+    "structured",
 )
 
 
@@ -415,13 +416,14 @@ def _instrument(eng: Any) -> list[tuple[float, float, int, int]]:
 
     steps: list[tuple[float, float, int, int]] = []
     last: dict[str, Any] = {}
-    launch, step, result = eng.worker.launch, eng.step, PendingStep.result
+    # every step's forward pass goes through Worker.forward (launch() calls it too)
+    forward, step, result = eng.worker.forward, eng.step, PendingStep.result
 
-    def timed_launch(step_input: Any) -> Any:
+    def timed_forward(step_input: Any) -> Any:
         n = step_input.new_tokens_per_seq
         last["decode"] = sum(1 for x in n if x == 1)
         last["prefill"] = sum(x for x in n if x > 1)
-        return launch(step_input)
+        return forward(step_input)
 
     def timed_result(self: Any) -> Any:
         t0 = time.perf_counter()
@@ -438,7 +440,7 @@ def _instrument(eng: Any) -> list[tuple[float, float, int, int]]:
             steps.append((dt_s, last.get("wait", 0.0), last["decode"], last["prefill"]))
         return out
 
-    eng.worker.launch, eng.step = timed_launch, timed_step
+    eng.worker.forward, eng.step = timed_forward, timed_step
     PendingStep.result = timed_result  # type: ignore[method-assign]
     return steps
 
@@ -605,6 +607,81 @@ def phase_fp8(ckpt: Path, out_dir: Path) -> dict[str, Any]:
         flags = tuple(f"--{k.replace('_', '-')}={v}" for k, v in kw.items())
         r["serve"] = phase_serve(ckpt, out_dir, [64], flags, tag=name)
         res[name] = r
+    return res
+
+
+STRUCTURED_SHAPE = (64, 256, 256)  # requests, prompt tokens, output tokens of a free request
+# 128 digits: every constrained output has the same structure (about 256 tokens)
+STRUCTURED_SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+    "minItems": 128,
+    "maxItems": 128,
+}
+
+
+def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
+    """Structured outputs' cost: 64 requests decoding together with 0%, 50% and 100% of
+    them constrained by a JSON schema. Constrained steps split the forward pass from the
+    sampling (the masks need the previous step's tokens) and fill token bitmasks on the
+    host; the decode step time against the 0% run is what that costs."""
+    from kvscale.server import SamplingParams
+    from kvscale.server.structured.params import StructuredOutputsParams
+
+    llm = _llm(ckpt, **kw)
+    eng = llm.engine
+    n, plen, free_out = STRUCTURED_SHAPE
+    prompts = _prompts(n, plen, 3)
+    so = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    warm = SamplingParams(temperature=0, max_tokens=8, structured_outputs=so)
+    llm.generate(prompts[:2], warm)  # compiles the grammar, builds the token tables
+    fill_s: list[float] = []
+    fill = eng.core.grammars.fill
+
+    def timed_fill(*a: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fill(*a)
+        fill_s.append(time.perf_counter() - t0)
+        return out
+
+    eng.core.grammars.fill = timed_fill
+    res: dict[str, Any] = {"requests": n, "prompt_tokens": plen, "schema": STRUCTURED_SCHEMA}
+    for frac in (0.0, 0.5, 1.0):
+        k = int(n * frac)
+        params = [
+            SamplingParams(temperature=0, max_tokens=4 * free_out, structured_outputs=so)
+            if i < k
+            else SamplingParams(temperature=0, max_tokens=free_out, ignore_eos=True)
+            for i in range(n)
+        ]
+        eng.reset_prefix_cache()
+        steps = _instrument(eng)
+        fill_s.clear()
+        _sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        _sync()
+        wall = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        valid = sum(
+            1
+            for o in outs[:k]
+            if len(json.loads(o.outputs[0].text)) == STRUCTURED_SCHEMA["minItems"]
+        )
+        res[f"constrained_{int(frac * 100)}"] = {
+            "constrained": k,
+            "valid_outputs": valid,
+            "wall_s": wall,
+            "output_tokens": n_out,
+            "output_tok_per_s": n_out / wall,
+            "fill_calls": len(fill_s),
+            "fill_ms_mean": 1e3 * statistics.fmean(fill_s) if fill_s else 0.0,
+            "steps": summarize_steps(steps),
+        }
+        eng.worker.forward = type(eng.worker).forward.__get__(eng.worker)  # undo _instrument
+        eng.step = type(eng).step.__get__(eng)
+    del llm
+    _free_gpu()
     return res
 
 
@@ -1070,6 +1147,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile": lambda: phase_ours(ckpt, "CA", compile=True),
         "prefix": lambda: phase_prefix(ckpt),
         "fp8": lambda: phase_fp8(ckpt, out),
+        "structured": lambda: phase_structured(ckpt),
     }
     for name in phases:
         path = out / f"phase_{name}.json"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (a machine with PyPI): downloads into .whl/ the Python 3.12 wheels that the GPU
-# machine lacks for `kvscale serve`, `transformers serve` (the D peer) and the demo
-# tokenizers; carry .whl with the device call and `source bench/gpu_setup.sh` there.
+# machine lacks for `kvscale serve` (structured outputs' xgrammar included), `transformers
+# serve` (the D peer) and the demo tokenizers; carry .whl with the device call and
+# `source bench/gpu_setup.sh` there.
 # Versions are requirements-dev.txt's pins (one source); the two it lacks are pinned here.
 # The image's own torch, triton, transformers, numpy, aiohttp, uvloop and prometheus-client
 # are used as they are.
@@ -13,6 +14,7 @@ names=(
   openai jiter sniffio httpx2 httpcore2 truststore
   mistral_common jsonschema jsonschema-specifications referencing rpds-py
   pydantic-extra-types pycountry
+  xgrammar apache-tvm-ffi
 )
 wheels=(distro==1.9.0 py-spy==0.4.3)
 for name in "${names[@]}"; do

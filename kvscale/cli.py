@@ -70,6 +70,22 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--chat-template", default=None, help="Jinja file replacing the tokenizer's chat template"
     )
+    from kvscale.server.api.tool_parsers import PARSERS
+
+    g.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="format of the model's tool calls, read for tool_choice auto (default: the one "
+        "the chat template uses, if known: <tool_call> hermes, [TOOL_CALLS] mistral, Llama 3 "
+        "python_tag llama3_json)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice auto works whenever a tool call "
+        "parser is known",
+    )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
     g.add_argument(

@@ -36,3 +36,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # when asked for (SamplingParams.prompt_logprobs): one entry per prompt token, the
+    # first None, each holding the prompt token and the top-k alternatives
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvscale.server.errors import InvalidRequestError
+from kvscale.server.structured.params import StructuredOutputsParams
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value (both signs)
 
 
 @dataclass
@@ -33,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +98,29 @@ class SamplingParams:
             raise bad("logprobs", "an integer in [0, 20] or None")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "true or false")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "an integer in [0, 20] or None")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "a StructuredOutputsParams or None")
+        if self.logit_bias:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "a mapping of token id to bias")
+            for tok, bias in self.logit_bias.items():
+                if not is_int(tok) or tok < 0:
+                    raise InvalidRequestError(
+                        f"logit_bias keys must be token ids (integers >= 0), got {tok!r}",
+                        param="logit_bias",
+                    )
+                if not is_num(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise InvalidRequestError(
+                        f"logit_bias values must be numbers in [-100, 100], got {bias!r} "
+                        f"for token {tok}",
+                        param="logit_bias",
+                    )
 
     @property
     def greedy(self) -> bool:

@@ -172,3 +172,21 @@ def test_prefix_phase_measures_caching_off_and_on(
     # turns of 10, 23 and 36 tokens: the third finds the second's one full block cached
     assert res["multi_turn_on"]["prefix_cache_hit_rate"] == pytest.approx(2 * 16 / (2 * 69))
     assert res["shared_prefix_on"]["output_tokens"] == 8 * 3
+
+
+def test_structured_phase_measures_constrained_fractions(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvscale.server import LLM
+
+    monkeypatch.setattr(eb, "STRUCTURED_SHAPE", (4, 12, 6))
+    schema = {**eb.STRUCTURED_SCHEMA, "minItems": 3, "maxItems": 3}
+    monkeypatch.setattr(eb, "STRUCTURED_SCHEMA", schema)
+    monkeypatch.setattr(
+        eb, "_llm", lambda ckpt, **kw: LLM(str(ckpt), device="cpu", num_kv_blocks=128, **kw)
+    )
+    res = eb.phase_structured(llama_ckpt)
+    assert [res[f"constrained_{p}"]["constrained"] for p in (0, 50, 100)] == [0, 2, 4]
+    assert [res[f"constrained_{p}"]["valid_outputs"] for p in (0, 50, 100)] == [0, 2, 4]
+    assert res["constrained_0"]["fill_calls"] == 0 and res["constrained_100"]["fill_calls"] > 0
+    assert res["constrained_0"]["steps"]["decode_steps"] > 0

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvscale import __version__
-from kvscale.server.api.errors import error_response, install_error_handlers
+from kvscale.server.api.errors import APIError, error_response, install_error_handlers
 from kvscale.server.api.lifecycle import Lifecycle
 from kvscale.server.api.metrics import ServerMetrics
 from kvscale.server.api.protocol import (
@@ -32,12 +32,17 @@ from kvscale.server.api.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from kvscale.server.api.serving_chat import create_chat_completion
 from kvscale.server.api.serving_completions import create_completion
+from kvscale.server.api.serving_tokenize import detokenize, tokenize
 from kvscale.server.api.state import ServerSettings, ServerState
 from kvscale.server.engine.core_outputs import EngineStats
 from kvscale.server.process.async_engine import AsyncEngine
@@ -366,6 +371,28 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion with the checkpoint's chat template; ``stream: true`` for SSE."""
         return await create_chat_completion(state, body, request)
+
+    def check_key(request: Request) -> None:
+        key = settings.api_key
+        if key and not _authorized(request.scope, key):
+            raise APIError(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    @app.post("/tokenize", response_model=TokenizeResponse, tags=["vllm"], responses=errors)
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        """vLLM's tokenizer endpoint: a prompt, or messages with the chat template."""
+        check_key(request)
+        return tokenize(state, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, tags=["vllm"], responses=errors)
+    async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        """vLLM's detokenizer endpoint: token ids to text."""
+        check_key(request)
+        return detokenize(state, body)
 
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     return app

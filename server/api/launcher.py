@@ -85,6 +85,7 @@ def run_server(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         chat_template=chat_template,
         prefix_cache_salt_per_key=args.prefix_cache_salt_per_key,
+        tool_call_parser=args.tool_call_parser,
     )
     app = create_app(settings, _engine_factory(cfg, args.log_level))
     config = uvicorn.Config(

@@ -20,6 +20,23 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ResponseFormat(_Request):
+    type: str = Field(description="text | json_object | json_schema")
+    json_schema: dict[str, Any] | None = Field(
+        None, description="{name, description, schema, strict}: the schema the output follows"
+    )
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class StreamOptions(_Request):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -36,7 +53,9 @@ class SamplingRequest(_Request):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -55,6 +74,15 @@ class SamplingRequest(_Request):
         description="prefix-cache isolation: requests share cached KV blocks only with "
         "requests of the same salt",
     )
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = Field(
+        None, description="text | json_object | json_schema (with json_schema.schema)"
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = Field(None, description="an EBNF (GBNF) or Lark grammar")
+    structured_outputs: StructuredOutputsField | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -63,9 +91,16 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, token ids, or a list of token-id lists"
     )
-    max_tokens: int | None = Field(16, description="null = up to the context length")
+    max_tokens: int | None = Field(
+        16, description="null = up to the context length; 0 (with echo) = score the prompt only"
+    )
     echo: bool | None = False
-    logprobs: int | None = Field(None, description="top log-probabilities per token, 0..20")
+    logprobs: int | None = Field(
+        None, description="top log-probabilities per token, 0..20 (of the prompt too with echo)"
+    )
+    prompt_logprobs: int | None = Field(
+        None, description="vLLM: top log-probabilities per prompt token"
+    )
     best_of: int | None = Field(None, description="must equal n if given")
     suffix: str | None = Field(None, description="not supported")
 
@@ -83,10 +118,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: str
-
-
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -95,9 +126,17 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, description="null = up to the context length")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, description="0..20; needs logprobs=true")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported")
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = Field(None, description="only type=text")
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="functions the model may call: {type: function, function: {name, "
+        "description, parameters}}",
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None,
+        description="none | auto (default with tools) | required | {type: function, "
+        "function: {name}}",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call")
     # vLLM's extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -123,6 +162,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's
 
 
 class CompletionResponse(BaseModel):
@@ -148,9 +188,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -168,6 +220,37 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+
+
+class TokenizeRequest(_Request):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(
+        None, description="default: true for a prompt, false for messages"
+    )
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvscale.server.api import structured
 from kvscale.server.api.errors import APIError, SafeJSONResponse, sse_error
 from kvscale.server.api.protocol import (
     ChatChoice,
@@ -40,6 +41,13 @@ from kvscale.server.api.serving_common import (
     unless_disconnected,
 )
 from kvscale.server.api.state import ServerState
+from kvscale.server.api.tools import (
+    ToolPlan,
+    ToolStream,
+    message_parts,
+    plan_tools,
+    template_messages,
+)
 from kvscale.server.outputs import Logprob
 from kvscale.server.process.async_engine import AsyncEngine, EngineRequest, RequestGroup
 
@@ -96,9 +104,13 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def render_prompt(
-    engine: AsyncEngine, req: ChatCompletionRequest, template: str | None
+    engine: AsyncEngine,
+    req: ChatCompletionRequest,
+    template: str | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the messages rendered with the chat template; 400 if it cannot."""
+    """Token ids of the messages (and ``tools``) rendered with the chat template; 400 if
+    it cannot."""
     tok = engine.tokenizer
     if template is None and not getattr(tok, "chat_template", None):
         raise APIError(
@@ -109,7 +121,8 @@ def render_prompt(
         )
     try:
         text = tok.apply_chat_template(
-            _messages(req),
+            template_messages(_messages(req)),
+            tools=tools,
             chat_template=template,
             tokenize=False,
             add_generation_prompt=req.add_generation_prompt,
@@ -126,14 +139,6 @@ def render_prompt(
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools and req.tool_choice != "none":
-        raise APIError(400, "tool calling is not supported", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(
-            400,
-            f"response_format type {req.response_format.type!r} is not supported (only text)",
-            param="response_format",
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
 
@@ -145,7 +150,19 @@ async def create_chat_completion(
     model = state.check_model(req.model)
     _check_unsupported(req)
     include_usage = check_stream_options(req)
-    ids = render_prompt(engine, req, state.settings.chat_template)
+    plan = plan_tools(req, state.tool_parser())
+    constraint = structured.requested(req)
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise APIError(
+                400,
+                f"tool_choice {req.tool_choice!r} forces a tool call; it cannot be combined "
+                f"with {constraint.param}",
+                param="tool_choice",
+            )
+        constraint = plan.constraint
+    constraint = await structured.checked(constraint)
+    ids = render_prompt(engine, req, state.settings.chat_template, plan.tools)
     mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -153,7 +170,12 @@ async def create_chat_completion(
     max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, mt_param, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(
-        req, max_tokens, k, engine.vocab_size, {"logprobs": "top_logprobs", "max_tokens": mt_param}
+        req,
+        max_tokens,
+        k,
+        engine.vocab_size,
+        {"logprobs": "top_logprobs", "max_tokens": mt_param},
+        structured=constraint,
     )
     rid = random_id("chatcmpl")
     salt = cache_salt(req, raw, state.settings.prefix_cache_salt_per_key)
@@ -161,7 +183,8 @@ async def create_chat_completion(
     created = int(time.time())
     if req.stream:
         return StreamingResponse(
-            _stream(group, rid, model, created, k, include_usage), media_type="text/event-stream"
+            _stream(group, rid, model, created, k, include_usage, plan),
+            media_type="text/event-stream",
         )
     final = await unless_disconnected(collect(group), raw)
     if final is None:
@@ -172,12 +195,13 @@ async def create_chat_completion(
         logprobs = None
         if k is not None and c.logprobs is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs, k)
+        content, tool_calls, finish = message_parts(plan, c.text, c.finish_reason)
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=c.text),
+                message=ChatResponseMessage(content=content, tool_calls=tool_calls),
                 logprobs=logprobs,
-                finish_reason=c.finish_reason,
+                finish_reason=finish,
                 stop_reason=c.stop_reason,
             )
         )
@@ -196,7 +220,9 @@ async def _stream(
     created: int,
     k: int | None,
     include_usage: bool,
+    plan: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
+    tool_streams: dict[int, ToolStream] = {}
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     started: set[int] = set()
@@ -231,19 +257,28 @@ async def _stream(
                 if i not in started:
                     started.add(i)
                     yield chunk(i, {"role": "assistant", "content": ""}, None, None, None)
-                start = sent_text.get(i, 0)
-                delta = c.text[start:] if len(c.text) > start else ""
-                if not delta and not c.finished:
+                tool_deltas: list[dict[str, Any]] = []
+                finish = c.finish_reason
+                if plan is not None and plan.reads_calls:
+                    ts = tool_streams.setdefault(i, ToolStream(plan))
+                    delta, tool_deltas = ts.delta(c.text, c.finished)
+                    if ts.called and plan.mode != "named" and finish == "stop":
+                        finish = "tool_calls"
+                else:
+                    start = sent_text.get(i, 0)
+                    delta = c.text[start:] if len(c.text) > start else ""
+                    sent_text[i] = max(start, len(c.text))
+                if not delta and not tool_deltas and not c.finished:
                     continue
-                sent_text[i] = max(start, len(c.text))
                 logprobs = None
                 if k is not None and c.logprobs is not None:
                     t0 = sent_tokens.get(i, 0)
                     logprobs = chat_logprobs(c.token_ids[t0:], c.logprobs[t0:], k).model_dump()
                     sent_tokens[i] = len(c.token_ids)
-                yield chunk(
-                    i, {"content": delta} if delta else {}, logprobs, c.finish_reason, c.stop_reason
-                )
+                body: dict[str, Any] = {"content": delta} if delta else {}
+                if tool_deltas:
+                    body["tool_calls"] = tool_deltas
+                yield chunk(i, body, logprobs, finish, c.stop_reason)
         if include_usage:
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
             yield sse(

@@ -25,6 +25,7 @@ from kvscale.server.process.async_engine import (
     RequestGroup,
 )
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.structured.params import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -91,16 +92,32 @@ def resolve_max_tokens(
     return max_tokens
 
 
+def logit_bias(req: SamplingRequest) -> dict[int, float] | None:
+    """``logit_bias`` with integer token ids; 400 for a key that is not one."""
+    if not req.logit_bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in req.logit_bias.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        out[tok] = value
+    return out
+
+
 def sampling_params(
     req: SamplingRequest,
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
     rename: dict[str, str] | None = None,
+    structured: StructuredOutputsParams | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; a 400 naming the field for any bad value."""
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     temperature = 1.0 if req.temperature is None else req.temperature
     if isinstance(temperature, float | int) and 0 < temperature < MIN_TEMPERATURE:
         temperature = MIN_TEMPERATURE
@@ -125,6 +142,9 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured,
+            logit_bias=logit_bias(req),
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidRequestError as e:
         raise APIError(400, str(e), param=param_of(e, rename)) from e

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvscale.server.api import structured
 from kvscale.server.api.errors import APIError, SafeJSONResponse, sse_error
 from kvscale.server.api.protocol import (
     CompletionChoice,
@@ -39,7 +40,7 @@ from kvscale.server.api.serving_common import (
     unless_disconnected,
 )
 from kvscale.server.api.state import ServerState
-from kvscale.server.outputs import CompletionOutput, Logprob
+from kvscale.server.outputs import CompletionOutput, Logprob, RequestOutput
 from kvscale.server.process.async_engine import AsyncEngine, EngineRequest, RequestGroup
 
 
@@ -63,6 +64,55 @@ def completion_logprobs(
         lp.text_offset.append(offset)
         offset += len(tok)
     return lp, offset
+
+
+def prompt_logprobs_part(
+    prompt_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    k: int,
+    first_token: str,
+) -> tuple[CompletionLogprobs, int]:
+    """The echoed prompt's share of OpenAI's legacy logprobs: the first token's logprob
+    and top_logprobs are null (nothing precedes it); returns them and the next offset."""
+    lp, offset = completion_logprobs(
+        prompt_ids[1:], [e or {} for e in entries[1:]], k, len(first_token)
+    )
+    lp.tokens.insert(0, first_token)
+    lp.token_logprobs.insert(0, None)
+    lp.top_logprobs.insert(0, None)
+    lp.text_offset.insert(0, 0)
+    return lp, offset
+
+
+def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        text_offset=a.text_offset + b.text_offset,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        tokens=a.tokens + b.tokens,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+    )
+
+
+def _vllm_prompt_logprobs(
+    entries: list[dict[int, Logprob] | None] | None,
+) -> list[dict[str, dict[str, object]] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token, token id -> logprob, rank,
+    decoded token (the first token's entry is null)."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(t): {
+                "logprob": clamp_logprob(x.logprob),
+                "rank": x.rank,
+                "decoded_token": x.decoded_token,
+            }
+            for t, x in e.items()
+        }
+        for e in entries
+    ]
 
 
 def _prompts(req: CompletionRequest, engine: AsyncEngine) -> tuple[list[list[int]], list[str]]:
@@ -90,8 +140,16 @@ def _check_unsupported(req: CompletionRequest) -> None:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    if req.max_tokens is not None and req.max_tokens < 0:
+        raise APIError(400, f"max_tokens must be >= 0, got {req.max_tokens}", param="max_tokens")
+
+
+def _prompt_k(req: CompletionRequest) -> int | None:
+    """Top-k of the prompt logprobs to compute: ``logprobs`` with echo, or vLLM's
+    ``prompt_logprobs``."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return req.logprobs if req.echo and req.logprobs is not None else None
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
@@ -99,15 +157,29 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     model = state.check_model(req.model)
     _check_unsupported(req)
     include_usage = check_stream_options(req)
+    constraint = await structured.checked(structured.requested(req))
     prompts, texts = _prompts(req, engine)
     vocab = engine.vocab_size
     rid = random_id("cmpl")
+    score_only = req.max_tokens == 0  # the engine samples one token, which is dropped
+    prompt_k = _prompt_k(req)
     reqs = []
     for i, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(
-            req.max_tokens, len(ids), engine.max_model_len, "max_tokens", "prompt"
+            1 if score_only else req.max_tokens,
+            len(ids),
+            engine.max_model_len,
+            "max_tokens",
+            "prompt",
         )
-        params = sampling_params(req, max_tokens, req.logprobs, vocab)
+        params = sampling_params(
+            req,
+            max_tokens,
+            req.logprobs,
+            vocab,
+            structured=constraint,
+            prompt_logprobs=prompt_k,
+        )
         salt = cache_salt(req, raw, state.settings.prefix_cache_salt_per_key)
         reqs.append(EngineRequest(f"{rid}-{i}", ids, params, salt))
     echo = None
@@ -117,7 +189,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     created = int(time.time())
     if req.stream:
         return StreamingResponse(
-            _stream(group, rid, model, created, req, echo, include_usage),
+            _stream(group, rid, model, created, req, echo, include_usage, engine),
             media_type="text/event-stream",
         )
     final = await unless_disconnected(collect(group), raw)
@@ -128,25 +200,52 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         out = final[r.request_id]
         usage.prompt_tokens += len(out.prompt_token_ids)
         for c in out.outputs:
+            if score_only:
+                c = CompletionOutput(c.index, "", [], "length", None, [])
             usage.completion_tokens += len(c.token_ids)
-            choices.append(_choice(i * req.n + c.index, c, req, echo[i] if echo else ""))
+            choices.append(
+                _choice(i * req.n + c.index, c, req, echo[i] if echo else "", out, engine)
+            )
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
     body = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
     return SafeJSONResponse(body.model_dump())
 
 
+def _echo_logprobs(
+    req: CompletionRequest, out: RequestOutput, engine: AsyncEngine
+) -> tuple[CompletionLogprobs, int] | None:
+    """The echoed prompt's logprobs (with echo and logprobs), and the offset after it."""
+    if not (req.echo and req.logprobs is not None and out.prompt_logprobs is not None):
+        return None
+    ids = out.prompt_token_ids
+    first = engine.tokenizer.decode(ids[:1], skip_special_tokens=False)
+    return prompt_logprobs_part(ids, out.prompt_logprobs, req.logprobs, first)
+
+
 def _choice(
-    index: int, c: CompletionOutput, req: CompletionRequest, prefix: str
+    index: int,
+    c: CompletionOutput,
+    req: CompletionRequest,
+    prefix: str,
+    out: RequestOutput,
+    engine: AsyncEngine,
 ) -> CompletionChoice:
     logprobs = None
     if req.logprobs is not None and c.logprobs is not None:
-        logprobs, _ = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+        echoed = _echo_logprobs(req, out, engine)
+        offset = echoed[1] if echoed else 0
+        logprobs, _ = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, offset)
+        if echoed:
+            logprobs = _join(echoed[0], logprobs)
     return CompletionChoice(
         index=index,
         text=prefix + c.text,
         logprobs=logprobs,
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
+        prompt_logprobs=_vllm_prompt_logprobs(out.prompt_logprobs)
+        if req.prompt_logprobs is not None
+        else None,
     )
 
 
@@ -158,8 +257,13 @@ async def _stream(
     req: CompletionRequest,
     echo: list[str] | None,
     include_usage: bool,
+    engine: AsyncEngine,
 ) -> AsyncIterator[str]:
     n = req.n
+    score_only = req.max_tokens == 0
+    # with logprobs, an echoed prompt is sent once its logprobs are known (first output)
+    echo_later = bool(echo) and req.logprobs is not None
+    echoed: set[int] = set()
     index_of = {r: i for i, r in enumerate(group.request_ids)}
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
@@ -188,15 +292,27 @@ async def _stream(
         )
 
     try:
-        if echo:
+        if echo and not echo_later:
             for p, text in enumerate(echo):
                 for j in range(n):
                     yield chunk(p * n + j, text, None, None, None)
         async for out in group:
             p = index_of[out.request_id]
             prompt_tokens[out.request_id] = len(out.prompt_token_ids)
+            if echo and echo_later and p not in echoed:
+                echoed.add(p)
+                part = _echo_logprobs(req, out, engine)
+                for j in range(n):
+                    if part is not None:
+                        offsets[p * n + j] = part[1]
+                    lp_dump = part[0].model_dump() if part is not None else None
+                    yield chunk(p * n + j, echo[p], lp_dump, None, None)
             for c in out.outputs:
                 idx = p * n + c.index
+                if score_only:
+                    if c.finished:
+                        yield chunk(idx, "", None, "length", None)
+                    continue
                 completion_tokens[idx] = len(c.token_ids)
                 start = sent_text.get(idx, 0)
                 delta = c.text[start:] if len(c.text) > start else ""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvscale.server.api.errors import APIError
 from kvscale.server.api.lifecycle import Lifecycle
 from kvscale.server.api.metrics import ServerMetrics
+from kvscale.server.api.tool_parsers import detect_parser
 from kvscale.server.process.async_engine import AsyncEngine
 
 
@@ -22,6 +23,7 @@ class ServerSettings:
     warmup: bool = True
     chat_template: str | None = None  # Jinja source overriding the tokenizer's
     prefix_cache_salt_per_key: bool = False  # the bearer token salts each request's cache
+    tool_call_parser: str | None = None  # None: the chat template's format, if known
 
     @property
     def model_name(self) -> str:
@@ -35,6 +37,16 @@ class ServerState:
     lifecycle: Lifecycle
     metrics: ServerMetrics
     engine: AsyncEngine | None = None  # set once the model is loaded
+
+    def tool_parser(self) -> str | None:
+        """The tool-call format to read: ``--tool-call-parser``, else the one the chat
+        template teaches (None: unknown, so tool_choice auto is refused)."""
+        if self.settings.tool_call_parser:
+            return self.settings.tool_call_parser
+        template = self.settings.chat_template
+        if template is None and self.engine is not None:
+            template = getattr(self.engine.tokenizer, "chat_template", None)
+        return detect_parser(template if isinstance(template, str) else None)
 
     def require_engine(self) -> AsyncEngine:
         """The engine, or a 503 while the model loads (or after the engine died)."""

@@ -23,6 +23,9 @@ class SeqUpdate(NamedTuple):
     finish_reason: str | None  # "stop" (EOS or a stop token) | "length" | None
     stop_reason: int | None  # the stop token id, when one ended it
     first_scheduled_time: float | None  # time.monotonic(), sent with the first token only
+    # with the first token of a request that asked for them: the logprobs of prompt
+    # tokens 1.. (token 0 has none), each (top ids, top logprobs, logprob, rank)
+    prompt_logprobs: list[RowLogprobs] | None = None
 
 
 @dataclass

@@ -15,13 +15,23 @@ dropped. A sequence whose last token is in flight (``max_tokens``) is not schedu
 Finishing or aborting frees blocks at once; a step still in flight may write stale KV
 into them, but every later step runs after it on the same stream, so the blocks' next
 owner overwrites that before reading.
+
+Structured outputs: a constrained request waits (unscheduled) until its grammar is
+compiled on a background thread (``structured.manager``). A step whose sampling rows
+include constrained ones is launched in two halves: the forward pass first, then,
+once the previous step's tokens are read and fed to the grammars, the token bitmasks
+are filled and the sampling is enqueued. The GPU computes the forward pass meanwhile,
+so the pipeline loses only what the host's read and mask filling take beyond it.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvscale.server.config import ResolvedConfig
 from kvscale.server.engine.block_manager import BlockManager
@@ -29,9 +39,14 @@ from kvscale.server.engine.core_outputs import EngineStats, SeqUpdate
 from kvscale.server.engine.request import Request
 from kvscale.server.engine.scheduler import ScheduledBatch, Scheduler
 from kvscale.server.engine.sequence import Sequence
-from kvscale.server.engine.step_inputs import build_step
+from kvscale.server.engine.step_inputs import build_step, prompt_logprob_inputs
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.structured.manager import GrammarManager
 from kvscale.server.worker.worker import PendingStep, Worker
+
+log = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.05  # an otherwise idle step waits this long for a grammar to compile
 
 
 @dataclass
@@ -41,6 +56,7 @@ class _Inflight:
     pending: PendingStep
     seqs: list[Sequence]  # the sequence of each sampling row
     positions: list[int]  # index in seq.token_ids of each sampled row's placeholder
+    prompt_lp: list[tuple[Sequence, int]] = field(default_factory=list)  # rows per seq
 
 
 class EngineCore:
@@ -70,6 +86,11 @@ class EngineCore:
             self.block_manager, eng.max_num_seqs, config.max_num_batched_tokens
         )
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarManager(
+            eng.tokenizer or eng.model, self.vocab_size, sorted(self.eos_token_ids)
+        )
+        self._awaiting_grammar: dict[str, tuple[Request, Future[Any]]] = {}
+        self._refused: list[tuple[str, str]] = []
         self._inflight: _Inflight | None = None
         self._seq_ids = itertools.count()
         self._prompt_tokens = 0
@@ -102,15 +123,46 @@ class EngineCore:
             )
             for i in range(params.n)
         ]
-        self.requests[request_id] = Request(request_id, list(prompt_ids), params, seqs, now)
+        req = Request(request_id, list(prompt_ids), params, seqs, now)
+        self.requests[request_id] = req
+        if params.structured_outputs is not None:
+            future = self.grammars.submit(params.structured_outputs)
+            self._awaiting_grammar[request_id] = (req, future)
+            return
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> None:
+        """Schedules the requests whose grammars are compiled (one matcher per sample);
+        refuses those whose grammar failed (``take_refused``)."""
+        for rid, (req, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[rid]
+            try:
+                compiled = future.result()
+            except Exception as e:
+                log.warning("request %s: grammar compilation failed: %s", rid, e)
+                self.requests.pop(rid, None)
+                self._refused.append((rid, f"cannot compile the grammar: {e}"))
+                continue
+            for seq in req.seqs:
+                seq.grammar = self.grammars.matcher(compiled)
+                self.scheduler.add(seq)
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        """``(request_id, reason)`` of requests dropped since the last call (their
+        grammar could not be compiled); they produce no more outputs."""
+        out, self._refused = self._refused, []
+        return out
 
     def abort_request(self, request_id: str) -> bool:
         """Drops a request now and frees its blocks; False if it is not known."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        if self._awaiting_grammar.pop(request_id, None) is not None:
+            return True  # never scheduled
         for seq in req.seqs:
             if not seq.is_finished:
                 self._finish(seq, "abort", time.monotonic())
@@ -146,12 +198,28 @@ class EngineCore:
     # ---- one step ------------------------------------------------------------------
     def step(self) -> list[SeqUpdate]:
         """Launches the next batch, then returns the tokens of the step launched before."""
+        if self._awaiting_grammar:
+            self._admit_compiled()
         batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch.seqs else None
-        inflight, self._inflight = self._inflight, launched
-        return self._collect(inflight) if inflight is not None else []
+        inflight = self._inflight
+        updates: list[SeqUpdate] | None = None
+        launched = None
+        if batch.seqs:
+            launched, updates = self._launch(batch, inflight)
+        self._inflight = launched
+        if updates is None:
+            updates = self._collect(inflight) if inflight is not None else []
+        if launched is None and inflight is None and self._awaiting_grammar:
+            # nothing to run until a grammar is ready: wait for one, briefly
+            wait([f for _, f in self._awaiting_grammar.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        return updates
 
-    def _launch(self, batch: ScheduledBatch) -> _Inflight:
+    def _launch(
+        self, batch: ScheduledBatch, prev: _Inflight | None
+    ) -> tuple[_Inflight, list[SeqUpdate] | None]:
+        """Launches ``batch``. When grammars constrain some of its sampling rows, reads
+        ``prev``'s tokens between the forward pass and the sampling (their masks need
+        them) and returns prev's updates; else None (``prev`` is still to collect)."""
         now = time.monotonic()
         banned: dict[int, list[int]] = {}
         for seq in batch.seqs:
@@ -159,6 +227,9 @@ class EngineCore:
                 seq.first_scheduled_time = now
             if seq.num_output_tokens < seq.params.min_tokens:
                 banned[seq.seq_id] = self._min_tokens_ban(seq)
+        grammar_bans = {
+            s.seq_id: banned.pop(s.seq_id, None) for s in batch.seqs if s.grammar is not None
+        }
         decode = all(
             n == 1 and s.num_computed_tokens + 1 == s.num_tokens
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
@@ -167,30 +238,57 @@ class EngineCore:
         step, seqs = build_step(
             batch, self.config.engine.block_size, graph, banned, self.vocab_size
         )
-        pending = self.worker.launch(step)
+        prompt_lp = prompt_logprob_inputs(batch, step)
+        if prompt_lp and step.graph_size:  # never for decode-shaped steps; kept safe
+            step.graph_size = 0
+        updates = None
+        if step.sampling.grammar_rows:
+            forwarded = self.worker.forward(step)
+            updates = self._collect(prev) if prev is not None else []
+            rows = [seqs[r] for r in step.sampling.grammar_rows]
+            bitmask = self.grammars.fill(
+                [None if s.is_finished else s.grammar for s in rows],
+                [grammar_bans.get(s.seq_id) for s in rows],
+                [s.params.structured_outputs.kind for s in rows],  # type: ignore[union-attr]
+            )
+            pending = self.worker.sample(forwarded, bitmask)
+        else:
+            pending = self.worker.launch(step)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
+        for seq, count in prompt_lp:
+            seq.prompt_lp_next += count
         positions = []
         for row, seq in enumerate(seqs):
             positions.append(seq.num_tokens)
+            if seq.is_finished:  # ended by prev's tokens, read above: an extra row
+                continue
             seq.token_ids.append(-(row + 1))
             max_tokens = seq.params.max_tokens
             if (
                 max_tokens is not None and seq.num_output_tokens >= max_tokens
             ) or seq.num_tokens >= self.max_model_len:
                 seq.stopping = True
-        return _Inflight(pending, seqs, positions)
+        return _Inflight(pending, seqs, positions, prompt_lp), updates
 
     def _collect(self, inflight: _Inflight) -> list[SeqUpdate]:
         result = inflight.pending.result()
         now = time.monotonic()
         updates: list[SeqUpdate] = []
+        i = 0
+        for seq, count in inflight.prompt_lp:
+            if seq.prompt_lps is not None and not seq.is_finished:
+                seq.prompt_lps.extend(result.prompt_logprobs[i : i + count])
+            i += count
         for seq, pos, token, lp in zip(
             inflight.seqs, inflight.positions, result.token_ids, result.logprobs, strict=True
         ):
             if seq.is_finished:  # aborted, or ended by the step before: an extra row
                 continue
             seq.token_ids[pos] = token
+            if seq.grammar is not None and not seq.grammar.is_terminated():
+                if not seq.grammar.accept_token(token):  # the mask allowed it: a bug
+                    log.error("request %s: the grammar rejected token %d", seq.request_id, token)
             seq.token_times.append(now)
             self._generation_tokens += 1
             k = pos - seq.num_prompt_tokens + 1  # this token's 1-based index in the output
@@ -212,12 +310,14 @@ class EngineCore:
                     reason,
                     stop_token,
                     seq.first_scheduled_time if k == 1 else None,
+                    seq.prompt_lps if k == 1 and seq.prompt_lps is not None else None,
                 )
             )
         return updates
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.drop_placeholders()
+        seq.grammar = None
         seq.finish_reason = reason
         seq.finished_time = now
         self.scheduler.finish(seq)
@@ -226,6 +326,9 @@ class EngineCore:
         self, seq: Sequence, token: int, k: int, pos: int
     ) -> tuple[str | None, int | None]:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            # the grammar took a stop token: the output is complete
+            return "stop", (token if token in (p.stop_token_ids or ()) else None)
         if k >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop", None

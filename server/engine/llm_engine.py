@@ -21,6 +21,7 @@ from kvscale.server.engine.request import validate_request
 from kvscale.server.errors import InvalidRequestError
 from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.structured.params import check as check_grammar
 from kvscale.server.worker.worker import Worker
 
 __all__ = ["EngineStats", "LLMEngine"]
@@ -64,6 +65,8 @@ class LLMEngine:
             )
         prompt_ids = self.tokenize(prompt)
         validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
         return prompt_ids
 
     def add_request(
@@ -113,6 +116,12 @@ class LLMEngine:
         outputs, stopped = self.processor.process(updates, time.monotonic())
         for request_id, index in stopped:
             self.core.finish_sequence(request_id, index)
+        refused = self.core.take_refused()
+        for request_id, _ in refused:
+            self.processor.abort(request_id)
+        if refused:
+            rid, reason = refused[0]
+            raise InvalidRequestError(f"request {rid!r} was dropped: {reason}")
         return outputs
 
     def reset_prefix_cache(self) -> int:

@@ -41,6 +41,7 @@ class RequestState:
     params: SamplingParams
     samples: list[SampleState]
     arrival_time: float
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,6 +74,7 @@ class RequestState:
             outputs=outs,
             finished=finished,
             metrics=self.metrics() if finished else {},
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def metrics(self) -> dict[str, float]:
@@ -146,6 +148,11 @@ class OutputProcessor:
             if req is None:
                 continue
             s = req.samples[u.index]
+            if u.prompt_logprobs is not None and req.prompt_logprobs is None:
+                ids = req.prompt_token_ids
+                req.prompt_logprobs = [None] + [
+                    self._logprob_entry(ids[j + 1], lp) for j, lp in enumerate(u.prompt_logprobs)
+                ]
             if s.finish_reason is not None:  # ended here by a stop string; the core ran on
                 continue
             s.token_ids.append(u.token_id)

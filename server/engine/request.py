@@ -50,3 +50,9 @@ def validate_request(
             f"stop_token_ids must be < vocab size {vocab_size}; got {bad_stop}",
             param="stop_token_ids",
         )
+    bad_bias = [t for t in params.logit_bias or () if t >= vocab_size]
+    if bad_bias:
+        raise InvalidRequestError(
+            f"logit_bias token ids must be < vocab size {vocab_size}; got {bad_bias[:5]}",
+            param="logit_bias",
+        )

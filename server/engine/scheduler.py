@@ -128,6 +128,8 @@ class Scheduler:
         """Cached blocks a sequence without computed tokens can start from."""
         if not self.blocks.enable_caching or seq.num_computed_tokens or seq.block_table:
             return []
+        if seq.prompt_lps is not None and seq.prompt_lp_next < seq.num_prompt_tokens - 1:
+            return []  # prompt logprobs need every prompt position computed
         limit = (seq.num_tokens - 1) // self.blocks.block_size  # the last token is computed
         return self.blocks.match(self._hashes(seq, seq.num_tokens)[:limit])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvscale.server.sampling_params import SamplingParams
 
@@ -47,9 +48,20 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of final tokens
     num_committed_blocks: int = 0  # leading blocks of block_table registered in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    grammar: Any = None  # the grammar matcher of a constrained sequence (engine side)
+    prompt_lps: list[Any] | None = None  # prompt logprobs so far (when asked for)
+    prompt_lp_next: int = 0  # first prompt position whose logprobs are not asked for yet
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_lps = []
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar constrains this sequence's tokens (speculative decoding does not
+        draft for it)."""
+        return self.grammar is not None
 
     @property
     def num_prompt_tokens(self) -> int:

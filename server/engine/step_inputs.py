@@ -5,7 +5,8 @@ see ``worker.step`` for their meaning), the only thing the worker is given.
 slots, per-sequence offsets and block tables, and the rows that sample: the last token
 of each sequence whose prompt is then fully in the cache); ``build_step`` adds the
 sampling inputs of those rows (parameters, banned tokens, penalty histories and
-per-row seeds) and wraps it all up.
+per-row seeds) and wraps it all up. ``prompt_logprob_inputs`` adds the token rows
+whose logits score the next prompt token, for sequences that asked for prompt logprobs.
 """
 
 from __future__ import annotations
@@ -115,6 +116,38 @@ def build_step(
     return step, seqs
 
 
+def prompt_logprob_inputs(batch: ScheduledBatch, step: StepInput) -> list[tuple[Sequence, int]]:
+    """Adds ``plp_idx``/``plp_ids [P] int64`` to ``step``: the token rows (of the step's
+    stream) whose logits score a prompt token, and that token, for each sequence that
+    wants prompt logprobs (``seq.prompt_lp_next``: the first prompt position not yet
+    asked for; position j scores prompt token j + 1). Returns each such sequence with
+    its count of rows, in row order; sets ``step.sampling.prompt_logprobs`` to the
+    largest top-k asked for (None: no rows)."""
+    q_start = step.arrays["q_start"]
+    rows: list[int] = []
+    ids: list[int] = []
+    out: list[tuple[Sequence, int]] = []
+    k = 0
+    for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        if seq.prompt_lps is None:
+            continue
+        start = seq.num_computed_tokens
+        lo = max(start, seq.prompt_lp_next)
+        hi = min(start + n, seq.num_prompt_tokens - 1)
+        if lo >= hi:
+            continue
+        base = int(q_start[b]) - start
+        rows.extend(range(base + lo, base + hi))
+        ids.extend(seq.prompt_token_ids[lo + 1 : hi + 1])
+        out.append((seq, hi - lo))
+        k = max(k, seq.params.prompt_logprobs or 0)
+    if rows:
+        step.arrays["plp_idx"] = np.array(rows, dtype=np.int64)
+        step.arrays["plp_ids"] = np.array(ids, dtype=np.int64)
+        step.sampling.prompt_logprobs = k
+    return out
+
+
 def sampling_inputs(
     seqs: list[Sequence],
     banned: dict[int, list[int]],
@@ -155,6 +188,21 @@ def sampling_inputs(
         # pad id = vocab, a spare last column; output ids may hold placeholders
         arrays["prompt_ids"] = padded_rows([s.prompt_token_ids for s in seqs], vocab_size)
         arrays["output_ids"] = padded_rows([s.output_token_ids for s in seqs], vocab_size)
+    bias_rows: list[int] = []
+    bias_cols: list[int] = []
+    bias_vals: list[float] = []
+    for row, p in enumerate(ps):
+        if p.logit_bias:
+            bias_rows.extend([row] * len(p.logit_bias))
+            bias_cols.extend(p.logit_bias)
+            bias_vals.extend(p.logit_bias.values())
+    if bias_rows:
+        arrays["bias_rows"] = np.array(bias_rows, dtype=np.int64)
+        arrays["bias_cols"] = np.array(bias_cols, dtype=np.int64)
+        arrays["bias_vals"] = np.array(bias_vals, dtype=np.float32)
+    grammar_rows = [row for row, s in enumerate(seqs) if s.grammar is not None]
+    if grammar_rows:
+        arrays["grammar_rows"] = np.array(grammar_rows, dtype=np.int64)
     return SamplingPlan(
         seeds=[
             None if s.params.seed is None else row_seed(s.params.seed, s.num_output_tokens)
@@ -166,4 +214,6 @@ def sampling_inputs(
         do_top_p_min_p=any(p.top_p < 1 or p.min_p > 0 for p in ps),
         do_penalties=do_pen,
         ban=bool(ban_rows),
+        bias=bool(bias_rows),
+        grammar_rows=grammar_rows,
     )

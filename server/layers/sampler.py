@@ -56,6 +56,33 @@ def apply_penalties(
     return logits
 
 
+def apply_logit_bias(
+    logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor
+) -> torch.Tensor:
+    """Adds ``vals [N]`` to ``logits[rows[i], cols[i]]`` (OpenAI's logit_bias), in place."""
+    return logits.index_put_((rows, cols), vals, accumulate=True)
+
+
+_BITS = {}  # device -> arange(32) int32
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Sets to -inf the tokens a grammar does not allow, in place, on the device.
+
+    ``rows [R]`` int64: the rows of ``logits [N, V]`` a grammar constrains; ``bitmask
+    [R, ceil(V / 32)]`` int32: bit ``t % 32`` of word ``t // 32`` set = token t allowed."""
+    n_rows, width = bitmask.shape
+    vocab = logits.shape[1]
+    bits = _BITS.get(logits.device)
+    if bits is None:
+        bits = _BITS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(n_rows, width * 32)[:, :vocab].bool()
+    sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, rows, sub)
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor,
     top_k: torch.Tensor | None,

@@ -119,6 +119,8 @@ class CoreLoop:
             rids = core.abort_all()
             self._send(StepFailed(rids, f"engine step failed: {e}"))
             return
+        for rid, reason in core.take_refused():
+            self._send(Refused(rid, reason))
         self._send(StepDone(updates, core.stats(), time.monotonic(), self._take_added()))
 
 

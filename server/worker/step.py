@@ -17,7 +17,13 @@ for a CUDA graph of ``graph_size`` rows: id 0, position 0, slot -1, length 1):
 - sampling, per sampling row: ``sampling [S, 8] float32`` (temperature, top_k, top_p,
   min_p, greedy, repetition, presence, frequency penalties); optional ``ban_rows``/
   ``ban_cols [N] int64`` (tokens a row may not sample); optional ``prompt_ids``/
-  ``output_ids [S, L] int64`` (padded with the vocabulary size) for penalties.
+  ``output_ids [S, L] int64`` (padded with the vocabulary size) for penalties;
+  optional ``bias_rows``/``bias_cols [N] int64`` and ``bias_vals [N] float32`` (logit
+  bias added to row, token); optional ``grammar_rows [R] int64``: the sampling rows
+  whose tokens a grammar constrains (their bitmask comes at sampling time, see
+  ``Worker.sample``).
+- prompt logprobs: optional ``plp_idx [P] int64`` (token rows whose logits score a
+  prompt token) and ``plp_ids [P] int64`` (that token).
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class SamplingPlan:
     do_top_p_min_p: bool = False
     do_penalties: bool = False
     ban: bool = False
+    bias: bool = False
+    grammar_rows: list[int] = field(default_factory=list)  # rows a grammar constrains
+    prompt_logprobs: int | None = None  # top-k of the prompt-logprob rows (None: none)
 
     @property
     def num_rows(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,7 +25,14 @@ from kvscale.server.attention.metadata import AttentionMetadata
 from kvscale.server.config import ResolvedConfig
 from kvscale.server.engine.core_outputs import RowLogprobs
 from kvscale.server.layers import ops
-from kvscale.server.layers.sampler import SamplingTensors, sample, seeded_generators, top_logprobs
+from kvscale.server.layers.sampler import (
+    SamplingTensors,
+    apply_logit_bias,
+    apply_token_bitmask,
+    sample,
+    seeded_generators,
+    top_logprobs,
+)
 from kvscale.server.models.loader import load_model
 from kvscale.server.parallel import SINGLE, ParallelState
 from kvscale.server.quantization import get_quantization
@@ -38,14 +45,17 @@ from kvscale.server.worker.step import SamplingPlan, StepInput, profile_step, re
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU when num_kv_blocks is not given
+PROMPT_LOGPROB_CHUNK = 1024  # prompt-logprob rows whose [rows, V] logits exist at once
 
 
 @dataclass
 class StepResult:
-    """For each sampling row, in order: its token and optional logprobs."""
+    """For each sampling row, in order: its token and optional logprobs; and the prompt
+    logprobs of the step's ``plp_idx`` rows, in order."""
 
     token_ids: list[int]
     logprobs: list[RowLogprobs | None]
+    prompt_logprobs: list[RowLogprobs] = field(default_factory=list)
 
 
 class PendingStep:
@@ -57,10 +67,12 @@ class PendingStep:
         logprobs: tuple[torch.Tensor, ...] | None,
         want_logprobs: list[int | None],
         on_cuda: bool = False,
+        prompt_logprobs: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
         self._tokens = tokens
         self._logprobs = logprobs
         self._want = want_logprobs
+        self._prompt = prompt_logprobs
         self._event: torch.cuda.Event | None = None
         if on_cuda:  # marks the end of the copies just enqueued
             self._event = torch.cuda.Event()
@@ -75,8 +87,12 @@ class PendingStep:
         """Waits for the copies (the GIL is released while waiting)."""
         if self._event is not None:
             self._event.synchronize()
+        prompt: list[RowLogprobs] = []
+        if self._prompt is not None:
+            p_ids, p_top, p_lp, p_rank = (t.tolist() for t in self._prompt)
+            prompt = list(zip(p_ids, p_top, p_lp, p_rank, strict=True))
         if self._tokens is None:
-            return StepResult([], [])
+            return StepResult([], [], prompt)
         tokens = self._tokens.tolist()
         lps: list[RowLogprobs | None] = [None] * len(tokens)
         if self._logprobs is not None:
@@ -84,7 +100,18 @@ class PendingStep:
             for row, k in enumerate(self._want):
                 if k is not None:
                     lps[row] = (top_ids[row][:k], top_lp[row][:k], s_lp[row], rank[row])
-        return StepResult(tokens, lps)
+        return StepResult(tokens, lps, prompt)
+
+
+@dataclass
+class Forwarded:
+    """A step whose forward pass is enqueued and whose sampling is not yet: the logits
+    of its sampling rows and its device inputs (see ``Worker.forward``)."""
+
+    step: StepInput
+    logits: torch.Tensor
+    dev: dict[str, torch.Tensor]
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -251,20 +278,47 @@ class Worker:
     @torch.inference_mode()
     def launch(self, step: StepInput) -> PendingStep:
         """Enqueues the step's forward pass and sampling; returns at once."""
+        return self.sample(self.forward(step))
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> Forwarded:
+        """Enqueues the step's forward pass (and its prompt logprobs); returns at once.
+        ``sample`` then enqueues its sampling: in between, the driver may learn the
+        tokens of the step before (a grammar's next mask depends on them)."""
         dev = to_device(step.arrays, self.device)
+        prompt_lp = None
         if step.graph_size:
             assert self.graphs is not None
             logits = self.graphs.run(dev, step.num_seqs)
         else:
-            logits = self._forward_eager(step, dev)
-        plan = step.sampling
-        if not plan.num_rows:
-            return PendingStep(None, None, [])
-        return self._sample(plan, logits, dev)
+            hidden = self._run_model(step, dev)
+            logits = self.model.compute_logits(hidden[dev["logits_idx"]])  # type: ignore[operator]
+            if step.sampling.prompt_logprobs is not None:
+                prompt_lp = self._prompt_logprobs(hidden, dev, step.sampling.prompt_logprobs)
+        return Forwarded(step, logits, dev, prompt_lp)
 
-    def _forward_eager(self, step: StepInput, dev: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The model on the step's device inputs; fp32 logits ``[S, V]`` of the rows that
-        sample."""
+    @torch.inference_mode()
+    def sample(self, fwd: Forwarded, bitmask: np.ndarray | None = None) -> PendingStep:
+        """Enqueues the sampling of a forwarded step; returns at once. ``bitmask``
+        (int32 ``[R, ceil(V / 32)]``, one row per ``grammar_rows`` entry): the tokens a
+        grammar allows each constrained row (bit t % 32 of word t // 32)."""
+        plan = fwd.step.sampling
+        host_plp = None
+        if fwd.prompt_logprobs is not None:
+            host_plp = tuple(_to_host(x) for x in fwd.prompt_logprobs)
+        if not plan.num_rows:
+            return PendingStep(None, None, [], self.device.type == "cuda", host_plp)
+        if plan.grammar_rows:
+            if bitmask is None or bitmask.shape[0] != len(plan.grammar_rows):
+                raise ValueError(
+                    f"the step has {len(plan.grammar_rows)} grammar-constrained rows; "
+                    f"sample() needs a bitmask row for each"
+                )
+            fwd.dev.update(to_device({"bitmask": bitmask}, self.device))
+        return self._sample(plan, fwd.logits, fwd.dev, host_plp)
+
+    def _run_model(self, step: StepInput, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model on the step's device inputs; hidden states ``[T, H]``."""
         meta = AttentionMetadata(
             slot_mapping=dev["slots"],
             query_start_loc=dev["q_start"],
@@ -280,18 +334,44 @@ class Worker:
             # step's sizes; Dynamo guards on it and would recompile: pass a fresh tensor.
             positions = positions.clone()
         with forward_context(self.backend, meta):
-            hidden = self.model(ids, positions)
+            return self.model(ids, positions)
+
+    def _forward_eager(self, step: StepInput, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model on the step's device inputs; fp32 logits ``[S, V]`` of the rows that
+        sample."""
+        hidden = self._run_model(step, dev)
         return self.model.compute_logits(hidden[dev["logits_idx"]])  # type: ignore[operator]
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, dev: dict[str, torch.Tensor], k: int
+    ) -> tuple[torch.Tensor, ...]:
+        """``(top_ids [P, k], top_lp [P, k], lp [P], rank [P])`` of each ``plp_ids``
+        token under the logits of its ``plp_idx`` row, PROMPT_LOGPROB_CHUNK rows at a time."""
+        idx, ids = dev["plp_idx"], dev["plp_ids"]
+        parts = []
+        for i in range(0, idx.shape[0], PROMPT_LOGPROB_CHUNK):
+            rows = idx[i : i + PROMPT_LOGPROB_CHUNK]
+            logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+            parts.append(top_logprobs(logits, ids[i : i + PROMPT_LOGPROB_CHUNK], k))
+        return tuple(torch.cat(cols) for cols in zip(*parts, strict=True))
 
     # ---- sampling ----------------------------------------------------------------------
     def _sample(
-        self, plan: SamplingPlan, logits: torch.Tensor, dev: dict[str, torch.Tensor]
+        self,
+        plan: SamplingPlan,
+        logits: torch.Tensor,
+        dev: dict[str, torch.Tensor],
+        prompt_lp: tuple[torch.Tensor, ...] | None = None,
     ) -> PendingStep:
         want_lp = plan.logprobs
         raw = logits.clone() if any(k is not None for k in want_lp) else None
         if plan.ban:
             # a tensor value: assigning a Python float copies it to the device and syncs
             logits.index_put_((dev["ban_rows"], dev["ban_cols"]), self._neg_inf)
+        if plan.bias:
+            apply_logit_bias(logits, dev["bias_rows"], dev["bias_cols"], dev["bias_vals"])
+        if plan.grammar_rows:
+            apply_token_bitmask(logits, dev["grammar_rows"], dev["bitmask"])
         cols = dev["sampling"]
         t = SamplingTensors(
             temperature=cols[:, 0],
@@ -317,7 +397,9 @@ class Worker:
         if raw is not None:
             k = max(k or 0 for k in want_lp)
             host_lp = tuple(_to_host(x) for x in top_logprobs(raw, tokens, k))
-        return PendingStep(_to_host(tokens), host_lp, want_lp, self.device.type == "cuda")
+        return PendingStep(
+            _to_host(tokens), host_lp, want_lp, self.device.type == "cuda", prompt_lp
+        )
 
     def _penalty_inputs(
         self, dev: dict[str, torch.Tensor], n: int

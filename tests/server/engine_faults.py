@@ -64,6 +64,9 @@ class InstantCore:
     def finish_sequence(self, rid: str, index: int) -> None:
         self.active.pop(rid, None)
 
+    def take_refused(self) -> list[tuple[str, str]]:
+        return []  # no grammars here: nothing is ever refused after queueing
+
     def abort_all(self) -> list[str]:
         rids = list(self.active)
         self.active.clear()

@@ -35,6 +35,8 @@ OPERATIONS = [
     ("GET", "/metrics"),
     ("GET", "/version"),
     ("POST", "/reset_prefix_cache"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
 
 
@@ -48,7 +50,8 @@ def test_every_operation_is_fuzzed(api_schema: Any) -> None:
     assert found == set(OPERATIONS)
 
 
-WITH_INPUT = {"/v1/completions", "/v1/chat/completions"}  # a path string has no invalid form
+# a path string has no invalid form
+WITH_INPUT = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + [
     (m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if p in WITH_INPUT
 ]
