@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvscale.server.api.errors import APIError, SafeJSONResponse, sse_error
+from kvscale.server.api.errors import APIError, SafeJSONResponse
 from kvscale.server.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -35,6 +35,7 @@ from kvscale.server.api.serving_common import (
     resolve_max_tokens,
     sampling_params,
     sse,
+    sse_failure,
     submit,
     tokenize,
     unless_disconnected,
@@ -145,7 +146,8 @@ async def create_chat_completion(
     model = state.check_model(req.model)
     _check_unsupported(req)
     include_usage = check_stream_options(req)
-    ids = render_prompt(engine, req, state.settings.chat_template)
+    # Off the event loop: rendering and tokenizing take time that grows with the messages.
+    ids = await engine.off_loop(render_prompt, engine, req, state.settings.chat_template)
     mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -200,6 +202,7 @@ async def _stream(
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     started: set[int] = set()
+    done: set[int] = set()  # choices whose finish chunk was sent
     usage = UsageInfo()
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: Any, stop: Any) -> str:
@@ -228,6 +231,8 @@ async def _stream(
             usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             for c in out.outputs:
                 i = c.index
+                if i in done:  # outputs are cumulative: a finished choice comes again
+                    continue
                 if i not in started:
                     started.add(i)
                     yield chunk(i, {"role": "assistant", "content": ""}, None, None, None)
@@ -235,6 +240,8 @@ async def _stream(
                 delta = c.text[start:] if len(c.text) > start else ""
                 if not delta and not c.finished:
                     continue
+                if c.finished:
+                    done.add(i)
                 sent_text[i] = max(start, len(c.text))
                 logprobs = None
                 if k is not None and c.logprobs is not None:
@@ -256,10 +263,8 @@ async def _stream(
                     "usage": usage.model_dump(),
                 }
             )
-    except APIError as e:
-        yield sse_error(e.message, e.status, e.code)
-    except Exception as e:
-        yield sse_error(str(e) or type(e).__name__)
+    except Exception as e:  # the engine failed mid-stream: tell the client, then end
+        yield sse_failure(e)
     finally:
         group.close()
     yield SSE_DONE

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvscale.server.api.errors import APIError, SafeJSONResponse, sse_error
+from kvscale.server.api.errors import APIError, SafeJSONResponse
 from kvscale.server.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -34,8 +34,9 @@ from kvscale.server.api.serving_common import (
     resolve_max_tokens,
     sampling_params,
     sse,
+    sse_failure,
     submit,
-    tokenize,
+    tokenize_off_loop,
     unless_disconnected,
 )
 from kvscale.server.api.state import ServerState
@@ -65,7 +66,9 @@ def completion_logprobs(
     return lp, offset
 
 
-def _prompts(req: CompletionRequest, engine: AsyncEngine) -> tuple[list[list[int]], list[str]]:
+async def _prompts(
+    req: CompletionRequest, engine: AsyncEngine
+) -> tuple[list[list[int]], list[str]]:
     """Token ids of each prompt, and its text (for echo)."""
     p = req.prompt
     if isinstance(p, str):
@@ -79,7 +82,10 @@ def _prompts(req: CompletionRequest, engine: AsyncEngine) -> tuple[list[list[int
     check_request_size(len(raw), req.n)
     ids_list, texts = [], []
     for item in raw:
-        ids = tokenize(engine, item, "prompt") if isinstance(item, str) else list(item)
+        if isinstance(item, str):
+            ids = await tokenize_off_loop(engine, item, "prompt")
+        else:
+            ids = list(item)
         ids_list.append(ids)
         texts.append(item if isinstance(item, str) else "")
     return ids_list, texts
@@ -99,7 +105,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     model = state.check_model(req.model)
     _check_unsupported(req)
     include_usage = check_stream_options(req)
-    prompts, texts = _prompts(req, engine)
+    prompts, texts = await _prompts(req, engine)
     vocab = engine.vocab_size
     rid = random_id("cmpl")
     reqs = []
@@ -112,7 +118,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         reqs.append(EngineRequest(f"{rid}-{i}", ids, params, salt))
     echo = None
     if req.echo:
-        echo = [t or engine.detokenize(ids) for t, ids in zip(texts, prompts, strict=True)]
+        echo = [
+            t or await engine.off_loop(engine.detokenize, ids)
+            for t, ids in zip(texts, prompts, strict=True)
+        ]
     group = submit(engine, reqs)
     created = int(time.time())
     if req.stream:
@@ -166,6 +175,7 @@ async def _stream(
     offsets: dict[int, int] = {}
     prompt_tokens: dict[str, int] = {}
     completion_tokens: dict[int, int] = {}
+    done: set[int] = set()  # choices whose finish chunk was sent
 
     def chunk(index: int, text: str, logprobs: object, finish: str | None, stop: object) -> str:
         return sse(
@@ -197,11 +207,15 @@ async def _stream(
             prompt_tokens[out.request_id] = len(out.prompt_token_ids)
             for c in out.outputs:
                 idx = p * n + c.index
+                if idx in done:  # outputs are cumulative: a finished choice comes again
+                    continue
                 completion_tokens[idx] = len(c.token_ids)
                 start = sent_text.get(idx, 0)
                 delta = c.text[start:] if len(c.text) > start else ""
                 if not delta and not c.finished:
                     continue
+                if c.finished:
+                    done.add(idx)
                 sent_text[idx] = max(start, len(c.text))
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
@@ -225,10 +239,8 @@ async def _stream(
                     "usage": usage,
                 }
             )
-    except APIError as e:
-        yield sse_error(e.message, e.status, e.code)
     except Exception as e:  # the engine failed mid-stream: tell the client, then end
-        yield sse_error(str(e) or type(e).__name__)
+        yield sse_failure(e)
     finally:
         group.close()
     yield SSE_DONE
