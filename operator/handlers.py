@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+from kubernetes.aio.config import ConfigException
 
 from kvscale.operator import autoscaler, telemetry
 from kvscale.operator import constants as c
@@ -49,13 +50,11 @@ async def startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     memo.config = OperatorConfig.from_env()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings
-    )
-    if info is None:
-        raise kopf.PermanentError("no in-cluster service account and no kubeconfig to log in with")
     agent = f"{USER_AGENT} ({memo.config.identity})"
-    memo.api = KubeClient.from_connection_info(info, user_agent=agent)
+    try:  # the official client: in-cluster token re-read as it rotates, or the kubeconfig
+        memo.api = await KubeClient.connect(user_agent=agent)
+    except ConfigException as e:
+        raise kopf.PermanentError(f"no in-cluster service account and no kubeconfig: {e}") from e
     memo.http = aiohttp.ClientSession(headers={"User-Agent": agent})  # Prometheus and pods
     memo.locks = {}
     memo.autoscalers = {}  # (namespace, name) -> (task, stop event)

@@ -122,6 +122,10 @@ class ApiServer(kmock.KubernetesScaffold):
     _log: list[WatchEvent] = attrs.field(factory=list, init=False)
     _log_rvs: list[int] = attrs.field(factory=list, init=False)
     _changed: asyncio.Event | None = attrs.field(default=None, init=False)
+    # Bearer tokens accepted (None: any request is authenticated); requests with another
+    # token get 401, as a real API server answers a rotated-out service-account token.
+    tokens: set[str] | None = attrs.field(default=None, init=False)
+    refused: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         # kmock's scaffold registers discovery fallbacks; this server answers them itself.
@@ -230,6 +234,13 @@ class ApiServer(kmock.KubernetesScaffold):
     # --- HTTP entry point ---------------------------------------------------------------------
 
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kubectl (client-go) sends no bearer token over plain HTTP: it is the admin here.
+        if self.tokens is not None and not raw.headers.get("User-Agent", "").startswith("kubectl/"):
+            scheme, _, token = raw.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token.strip() not in self.tokens:
+                agent = raw.headers.get("User-Agent", "")
+                self.refused.append((agent, raw.method, raw.path))
+                return self._status(ApiError(401, "Unauthorized", "Unauthorized"))
         body = await raw.read()
         try:
             data = json.loads(body) if body else None
@@ -1187,6 +1198,10 @@ class ApiServer(kmock.KubernetesScaffold):
             )
             out.append(self._create(rtype, doc.get("metadata", {}).get("namespace"), doc, {}))
         return out
+
+    def set_tokens(self, tokens: list[str] | None) -> None:
+        """Accept only these bearer tokens from now on (None: accept any request)."""
+        self.tokens = None if tokens is None else set(tokens)
 
     def set_status(
         self, api_version: str, plural: str, ns: str | None, name: str, status: Obj
