@@ -30,7 +30,7 @@ from kvscale.operator import autoscaler, telemetry
 from kvscale.operator import constants as c
 from kvscale.operator.config import OperatorConfig
 from kvscale.operator.kube import USER_AGENT, KubeClient
-from kvscale.operator.reconcile import LLMDEPLOYMENTS, Conflict, Outcome, reconcile
+from kvscale.operator.reconcile import Conflict, Outcome, reconcile
 
 LLMD = (c.GROUP, c.VERSION, c.PLURAL)
 CHILD_LABELS = {c.MANAGED_BY_LABEL: c.MANAGER, c.OWNER_LABEL: kopf.PRESENT}
@@ -90,16 +90,71 @@ def _post(body: Mapping[str, Any], outcome: Outcome) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
 
 
+# ---- indexes: what the watches saw, so that events need no reads (kopf keeps them) ------
+def _by_owner(namespace: str, labels: Mapping[str, str], body: kopf.Body) -> dict[Any, Any]:
+    return {(namespace, labels[c.OWNER_LABEL]): body}
+
+
+@kopf.index(*LLMD)
+def llmd_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): body}
+
+
+@kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
+def deployment_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return _by_owner(namespace, labels, body)
+
+
+@kopf.index("v1", "services", labels=CHILD_LABELS)
+def service_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return _by_owner(namespace, labels, body)
+
+
+@kopf.index("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
+def pdb_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return _by_owner(namespace, labels, body)
+
+
+@kopf.index("v1", "pods", labels=CHILD_LABELS)
+def pod_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return _by_owner(namespace, labels, body)
+
+
+def _one(index: kopf.Index[Any, Any], key: Any) -> dict[str, Any] | None:
+    store = index.get(key)
+    for value in store or ():
+        return dict(value)
+    return None
+
+
+class IndexCache:
+    """``reconcile``'s ChildCache over kopf's indexes."""
+
+    def __init__(self, kw: Mapping[str, Any]) -> None:
+        self._kinds = {
+            "Deployment": kw["deployment_index"],
+            "Service": kw["service_index"],
+            "PodDisruptionBudget": kw["pdb_index"],
+        }
+        self._pods = kw["pod_index"]
+
+    def child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return _one(self._kinds[kind], (namespace, name))
+
+    def pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        return [dict(p) for p in self._pods.get((namespace, name)) or ()]
+
+
 @kopf.on.resume(*LLMD)
 @kopf.on.create(*LLMD)
 @kopf.on.update(*LLMD)
 async def reconcile_llmdeployment(
-    body: kopf.Body, memo: kopf.Memo, namespace: str, name: str, **_: Any
+    body: kopf.Body, memo: kopf.Memo, namespace: str, name: str, **kw: Any
 ) -> None:
     """Create or update the Deployment, Service and PodDisruptionBudget; report status."""
     try:
         async with _lock(memo, namespace, name):
-            outcome = await reconcile(memo.api, body, memo.config)
+            outcome = await reconcile(memo.api, body, memo.config, cache=IndexCache(kw))
     except Conflict as e:
         raise kopf.TemporaryError(str(e), delay=1) from e
     _post(body, outcome)
@@ -112,14 +167,16 @@ async def reconcile_llmdeployment(
 
 
 async def _reconcile_owner(
-    memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
+    memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, kw: Mapping[str, Any]
 ) -> None:
     async with _lock(memo, namespace, name):
-        llmd = await memo.api.get(LLMDEPLOYMENTS.path(namespace, name))
+        # The owner as last watched: a child's event needs no read of it (nor of the
+        # children and pods: they come from the indexes too).
+        llmd = _one(kw["llmd_index"], (namespace, name))
         if llmd is None or llmd["metadata"].get("deletionTimestamp"):
             return
         try:
-            outcome = await reconcile(memo.api, llmd, memo.config)
+            outcome = await reconcile(memo.api, llmd, memo.config, cache=IndexCache(kw))
         except Conflict as e:
             logger.debug(
                 "conflict while reconciling %s/%s: %s; the next event retries", namespace, name, e
@@ -130,18 +187,18 @@ async def _reconcile_owner(
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 async def owned_deployment_changed(
-    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **_: Any
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **kw: Any
 ) -> None:
     """Rollout progress, replica counts, or a deleted Deployment: reconcile the owner."""
-    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger)
+    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger, kw)
 
 
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)
 async def owned_pod_changed(
-    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **_: Any
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **kw: Any
 ) -> None:
     """Unschedulable or crashing pods surface as the owner's Degraded condition."""
-    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger)
+    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger, kw)
 
 
 @kopf.on.event(*LLMD)

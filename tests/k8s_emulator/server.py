@@ -21,6 +21,7 @@ import json
 import logging
 import random
 import string
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -126,6 +127,8 @@ class ApiServer(kmock.KubernetesScaffold):
     # token get 401, as a real API server answers a rotated-out service-account token.
     tokens: set[str] | None = attrs.field(default=None, init=False)
     refused: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
+    # When each object was created (monotonic seconds), for measurements.
+    created_at: dict[tuple[str, str, str], float] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         # kmock's scaffold registers discovery fallbacks; this server answers them itself.
@@ -927,6 +930,7 @@ class ApiServer(kmock.KubernetesScaffold):
         if params.get("dryRun"):
             return self._with_kind(rtype, obj)
         self._store(rtype, ns, meta["name"], obj, "ADDED")
+        self.created_at[(rtype.plural, ns or "", meta["name"])] = time.monotonic()
         return self._with_kind(rtype, self.get_object(rtype, ns, meta["name"]))
 
     def _write(

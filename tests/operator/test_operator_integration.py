@@ -411,6 +411,31 @@ def test_the_chart_rbac_allows_exactly_what_the_operator_did(cluster: Cluster) -
     )
 
 
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"engine": {"extraArgs": ["--api-k", "x"]}}, "must not name (or abbreviate)"),
+        ({"engine": {"extraArgs": ["--mod", "/etc"]}}, "must not name (or abbreviate)"),
+        ({"env": [{"name": "KVSCALE_API_KEY", "value": ""}]}, "may not set a variable"),
+        ({"engine": {"blockSize": 3}}, "Unsupported value"),
+        ({"engine": {"maxQueueLen": 0}}, "greater than or equal to 1"),
+    ],
+)
+def test_hostile_specs_are_refused_by_the_api_server(
+    cluster: Cluster, spec: dict[str, Any], words: str
+) -> None:
+    """Flag smuggling, env overrides and specs that would crash-loop never get in (#14)."""
+    body = {
+        "apiVersion": LLMD_API,
+        "kind": "LLMDeployment",
+        "metadata": {"name": "hostile", "namespace": NS},
+        "spec": {"model": {"source": "builtin://demo"}, **spec},
+    }
+    proc = cluster.kubectl.run("apply", "-f", "-", input=yaml.safe_dump(body), check=False)
+    assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+    assert cluster.llmd(NS, "hostile") is None
+
+
 def test_operator_log_has_no_errors(cluster: Cluster) -> None:
     log = Path(cluster.operator.log).read_text()
     lines = log.splitlines()
