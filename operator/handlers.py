@@ -30,7 +30,7 @@ from kvscale.operator import autoscaler, telemetry
 from kvscale.operator import constants as c
 from kvscale.operator.config import OperatorConfig
 from kvscale.operator.kube import USER_AGENT, KubeClient
-from kvscale.operator.reconcile import Conflict, Outcome, reconcile
+from kvscale.operator.reconcile import LLMDEPLOYMENTS, Conflict, Outcome, reconcile
 
 LLMD = (c.GROUP, c.VERSION, c.PLURAL)
 CHILD_LABELS = {c.MANAGED_BY_LABEL: c.MANAGER, c.OWNER_LABEL: kopf.PRESENT}
@@ -171,8 +171,13 @@ async def _reconcile_owner(
 ) -> None:
     async with _lock(memo, namespace, name):
         # The owner as last watched: a child's event needs no read of it (nor of the
-        # children and pods: they come from the indexes too).
-        llmd = _one(kw["llmd_index"], (namespace, name))
+        # children and pods: they come from the indexes too). Except when a child is gone:
+        # the garbage collector may be removing it because its owner was just deleted,
+        # which the owner's watch may not have seen yet: read the owner fresh then.
+        if kw.get("type") == "DELETED":
+            llmd = await memo.api.get(LLMDEPLOYMENTS.path(namespace, name))
+        else:
+            llmd = _one(kw["llmd_index"], (namespace, name))
         if llmd is None or llmd["metadata"].get("deletionTimestamp"):
             return
         try:
@@ -190,6 +195,14 @@ async def owned_deployment_changed(
     namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **kw: Any
 ) -> None:
     """Rollout progress, replica counts, or a deleted Deployment: reconcile the owner."""
+    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger, kw)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
+async def owned_pdb_changed(
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **kw: Any
+) -> None:
+    """A PDB that appeared or went: the owner decides whether it should exist."""
     await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger, kw)
 
 

@@ -246,17 +246,20 @@ async def reconcile(
     if spec is not None and not out.problems:
         try:
             for obj in render.render_all(llmd, spec, config, desired):
-                cached = cache.child(obj["kind"], ns, name) if cache is not None else None
+                # The PDB comes and goes with the replica count: never trust a watched copy
+                # of it (the watch may not have seen our own delete yet).
+                trusted = cache is not None and obj["kind"] != "PodDisruptionBudget"
+                cached = cache.child(obj["kind"], ns, name) if trusted else None
                 live, action = await apply(api, obj, uid, cached)
                 if obj["kind"] == "Deployment":
                     deployment = live
                 if action:
                     out.events.append(_events_for(action, obj, obj["spec"].get("replicas")))
             if not render.wants_pdb(spec):
-                if cache is not None:
-                    pdb = cache.child("PodDisruptionBudget", ns, name)
-                else:
-                    pdb = await api.get(PDBS.path(ns, name))
+                # The watched copy only says whether to look (a PDB's own events reconcile
+                # its owner, so one the watch had not seen yet is deleted on its ADDED).
+                seen = cache is None or cache.child("PodDisruptionBudget", ns, name) is not None
+                pdb = await api.get(PDBS.path(ns, name)) if seen else None
                 if pdb is not None and _is_owned(pdb, uid):
                     await api.delete(PDBS.path(ns, name))
                     out.events.append(

@@ -107,8 +107,9 @@ def test_examples_apply_and_reconcile(cluster: Cluster) -> None:
     )
     assert status["endpoint"] == "http://qwen.ml.svc.cluster.local:8000"
     assert status["selector"] == f"{c.OWNER_LABEL}=qwen" and status["desiredReplicas"] == 1
-    events = {e["reason"] for e in cluster.events(NS, "qwen")}
-    assert "Created" in events
+    wait_for(  # events are posted after the pass that wrote the status
+        lambda: "Created" in {e["reason"] for e in cluster.events(NS, "qwen")}, what="events"
+    )
 
 
 def test_printer_columns(cluster: Cluster) -> None:
@@ -166,7 +167,9 @@ def test_missing_secret_is_degraded_then_recovers(cluster: Cluster) -> None:
     assert any(v["name"] == "dshm" for v in pod["volumes"])
     assert pod["initContainers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     assert "hf_test" not in str(dep)
-    assert cluster.get("policy/v1", "poddisruptionbudgets", NS, "llama-8b-tp2") is not None
+    wait_for(  # written after the Deployment and the Service in the same pass
+        lambda: cluster.get("policy/v1", "poddisruptionbudgets", NS, "llama-8b-tp2"), what="a PDB"
+    )
     wait_for(lambda: cluster.condition(NS, "llama-8b-tp2", c.DEGRADED).get("status") == "False")
     wait_for(lambda: any(e["reason"] == "Recovered" for e in cluster.events(NS, "llama-8b-tp2")))
 
@@ -274,7 +277,7 @@ def test_kubectl_scale_and_the_disruption_budget(cluster: Cluster) -> None:
     assert _deployment(cluster, "qwen")["spec"]["template"] == template  # scaling does not roll
     wait_for(lambda: cluster.get("policy/v1", "poddisruptionbudgets", NS, "qwen"), what="a PDB")
     assert wait_for(lambda: cluster.llmd(NS, "qwen")["status"]["desiredReplicas"] == 3)
-    assert any(e["reason"] == "Scaled" for e in cluster.events(NS, "qwen"))
+    wait_for(lambda: any(e["reason"] == "Scaled" for e in cluster.events(NS, "qwen")))
     cluster.kubectl("scale", "llmd", "qwen", "--replicas=1")
     wait_for(
         lambda: cluster.get("policy/v1", "poddisruptionbudgets", NS, "qwen") is None, what="no PDB"
