@@ -115,6 +115,34 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds to let requests in flight finish before exiting "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="answer 413 to larger request bodies (default: max(1 MiB, 64 x max-model-len); "
+        "0: no limit)",
+    )
+    g.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=65536,
+        help="answer 431 when a request line and its headers exceed this (default: %(default)s)",
+    )
+    g.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send its headers, or between two parts of its "
+        "body, before 408 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without a word from the engine process (it reports every step, and "
+        "every second when idle) before /ready fails and requests in flight get an error "
+        "(default: %(default)s)",
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation")
     g.add_argument(
         "--log-level",

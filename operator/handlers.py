@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+from kubernetes.aio.config import ConfigException
 
 from kvscale.operator import autoscaler, telemetry
 from kvscale.operator import constants as c
@@ -49,13 +50,11 @@ async def startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     memo.config = OperatorConfig.from_env()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings
-    )
-    if info is None:
-        raise kopf.PermanentError("no in-cluster service account and no kubeconfig to log in with")
     agent = f"{USER_AGENT} ({memo.config.identity})"
-    memo.api = KubeClient.from_connection_info(info, user_agent=agent)
+    try:  # the official client: in-cluster token re-read as it rotates, or the kubeconfig
+        memo.api = await KubeClient.connect(user_agent=agent)
+    except ConfigException as e:
+        raise kopf.PermanentError(f"no in-cluster service account and no kubeconfig: {e}") from e
     memo.http = aiohttp.ClientSession(headers={"User-Agent": agent})  # Prometheus and pods
     memo.locks = {}
     memo.autoscalers = {}  # (namespace, name) -> (task, stop event)
@@ -91,16 +90,71 @@ def _post(body: Mapping[str, Any], outcome: Outcome) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
 
 
+# ---- indexes: what the watches saw, so that events need no reads (kopf keeps them) ------
+def _by_owner(namespace: str, labels: Mapping[str, str], body: kopf.Body) -> dict[Any, Any]:
+    return {(namespace, labels[c.OWNER_LABEL]): body}
+
+
+@kopf.index(*LLMD)
+def llmd_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): body}
+
+
+@kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
+def deployment_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return _by_owner(namespace, labels, body)
+
+
+@kopf.index("v1", "services", labels=CHILD_LABELS)
+def service_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return _by_owner(namespace, labels, body)
+
+
+@kopf.index("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
+def pdb_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return _by_owner(namespace, labels, body)
+
+
+@kopf.index("v1", "pods", labels=CHILD_LABELS)
+def pod_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return _by_owner(namespace, labels, body)
+
+
+def _one(index: kopf.Index[Any, Any], key: Any) -> dict[str, Any] | None:
+    store = index.get(key)
+    for value in store or ():
+        return dict(value)
+    return None
+
+
+class IndexCache:
+    """``reconcile``'s ChildCache over kopf's indexes."""
+
+    def __init__(self, kw: Mapping[str, Any]) -> None:
+        self._kinds = {
+            "Deployment": kw["deployment_index"],
+            "Service": kw["service_index"],
+            "PodDisruptionBudget": kw["pdb_index"],
+        }
+        self._pods = kw["pod_index"]
+
+    def child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return _one(self._kinds[kind], (namespace, name))
+
+    def pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        return [dict(p) for p in self._pods.get((namespace, name)) or ()]
+
+
 @kopf.on.resume(*LLMD)
 @kopf.on.create(*LLMD)
 @kopf.on.update(*LLMD)
 async def reconcile_llmdeployment(
-    body: kopf.Body, memo: kopf.Memo, namespace: str, name: str, **_: Any
+    body: kopf.Body, memo: kopf.Memo, namespace: str, name: str, **kw: Any
 ) -> None:
     """Create or update the Deployment, Service and PodDisruptionBudget; report status."""
     try:
         async with _lock(memo, namespace, name):
-            outcome = await reconcile(memo.api, body, memo.config)
+            outcome = await reconcile(memo.api, body, memo.config, cache=IndexCache(kw))
     except Conflict as e:
         raise kopf.TemporaryError(str(e), delay=1) from e
     _post(body, outcome)
@@ -113,14 +167,21 @@ async def reconcile_llmdeployment(
 
 
 async def _reconcile_owner(
-    memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger
+    memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, kw: Mapping[str, Any]
 ) -> None:
     async with _lock(memo, namespace, name):
-        llmd = await memo.api.get(LLMDEPLOYMENTS.path(namespace, name))
+        # The owner as last watched: a child's event needs no read of it (nor of the
+        # children and pods: they come from the indexes too). Except when a child is gone:
+        # the garbage collector may be removing it because its owner was just deleted,
+        # which the owner's watch may not have seen yet: read the owner fresh then.
+        if kw.get("type") == "DELETED":
+            llmd = await memo.api.get(LLMDEPLOYMENTS.path(namespace, name))
+        else:
+            llmd = _one(kw["llmd_index"], (namespace, name))
         if llmd is None or llmd["metadata"].get("deletionTimestamp"):
             return
         try:
-            outcome = await reconcile(memo.api, llmd, memo.config)
+            outcome = await reconcile(memo.api, llmd, memo.config, cache=IndexCache(kw))
         except Conflict as e:
             logger.debug(
                 "conflict while reconciling %s/%s: %s; the next event retries", namespace, name, e
@@ -131,18 +192,26 @@ async def _reconcile_owner(
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 async def owned_deployment_changed(
-    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **_: Any
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **kw: Any
 ) -> None:
     """Rollout progress, replica counts, or a deleted Deployment: reconcile the owner."""
-    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger)
+    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger, kw)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
+async def owned_pdb_changed(
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **kw: Any
+) -> None:
+    """A PDB that appeared or went: the owner decides whether it should exist."""
+    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger, kw)
 
 
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)
 async def owned_pod_changed(
-    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **_: Any
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **kw: Any
 ) -> None:
     """Unschedulable or crashing pods surface as the owner's Degraded condition."""
-    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger)
+    await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger, kw)
 
 
 @kopf.on.event(*LLMD)

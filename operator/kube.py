@@ -1,21 +1,48 @@
-"""A small asyncio Kubernetes API client (aiohttp) for the objects the operator owns.
+"""The operator's own Kubernetes API calls, on the official client's asyncio API
+(``kubernetes.aio``) with its credential handling.
 
 Kopf watches and patches the LLMDeployments itself; this client creates and updates the
-children. It logs in with the same credentials Kopf would use (in-cluster service account,
-else kubeconfig), via ``kopf.login_with_service_account`` / ``kopf.login_with_kubeconfig``.
+children, reads pods and Secrets, and writes status, Leases and the scale subresource. It
+sends plain dicts to resource paths (``ApiClient.param_serialize`` / ``call_api``) rather
+than the generated typed APIs, so custom resources and built-ins go the same way.
+
+Credentials stay fresh: in a pod, the in-cluster configuration re-reads the projected
+service-account token (the kubelet rotates it about hourly; clusters that do not extend
+its lifetime refuse the old one an hour later) every minute, and out of the cluster the
+kubeconfig loader refreshes exec-plugin and OIDC tokens. Should the API server still
+answer 401, the client loads its configuration again (a rotated token file, a changed
+kubeconfig) and retries once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import ssl
+import logging
+import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
+from kubernetes.aio import client as kclient
+from kubernetes.aio import config as kconfig
 
+log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 USER_AGENT = "kvscale-operator/0.1.0"
+Loader = Callable[[], Awaitable[kclient.Configuration]]
+
+
+async def load_configuration() -> kclient.Configuration:
+    """The in-cluster service account when running in a pod (``KUBERNETES_SERVICE_HOST``
+    set), else the kubeconfig (``$KUBECONFIG`` or ``~/.kube/config``), as kopf and kubectl
+    choose. Raises ``kubernetes.aio.config.ConfigException`` when neither is there."""
+    cfg = kclient.Configuration()
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kconfig.load_incluster_config(client_configuration=cfg, try_refresh_token=True)
+    else:
+        await kconfig.load_kube_config(client_configuration=cfg, persist_config=False)
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -60,36 +87,54 @@ class ApiError(Exception):
 
 
 class KubeClient:
-    """Minimal REST verbs. ``get`` returns None for 404; other failures raise ApiError."""
+    """REST verbs on resource paths. ``get`` returns None for 404; other failures raise
+    ApiError. ``KubeClient(configuration, loader)``: ``loader`` builds a fresh
+    configuration after a 401; ``KubeClient("http://host:port")``: no credentials."""
 
     def __init__(
         self,
-        server: str,
+        configuration: kclient.Configuration | str,
+        loader: Loader | None = None,
         *,
-        headers: dict[str, str] | None = None,
-        ssl_context: ssl.SSLContext | bool | None = None,
         timeout: float = 30.0,
         user_agent: str = USER_AGENT,
     ) -> None:
-        self.server = server.rstrip("/")
+        if isinstance(configuration, str):
+            url, configuration = configuration, kclient.Configuration()
+            configuration.host = url.rstrip("/")
         self.user_agent = user_agent
-        self._headers = headers or {}
-        self._ssl = ssl_context
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._session: aiohttp.ClientSession | None = None
+        self._loader = loader
+        self._timeout = timeout
+        self._api = self._client(configuration)
+        self._relogin: asyncio.Lock | None = None
+
+    def _client(self, configuration: kclient.Configuration) -> kclient.ApiClient:
+        api = kclient.ApiClient(configuration)
+        api.user_agent = self.user_agent
+        return api
 
     @classmethod
-    def from_connection_info(cls, info: Any, user_agent: str = USER_AGENT) -> KubeClient:
-        """Build from a ``kopf.ConnectionInfo`` (what Kopf's login functions return)."""
-        ctx = info.as_ssl_context() if info.server.startswith("https") else None
-        return cls(
-            info.server, headers=info.as_http_headers(), ssl_context=ctx, user_agent=user_agent
-        )
+    async def connect(cls, user_agent: str = USER_AGENT) -> KubeClient:
+        """A client with the in-cluster or kubeconfig credentials (reloaded on 401)."""
+        return cls(await load_configuration(), load_configuration, user_agent=user_agent)
+
+    @property
+    def server(self) -> str:
+        return str(self._api.configuration.host)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._api.close()
+
+    async def _reload(self, stale: kclient.ApiClient) -> None:
+        """Loads the configuration again (once for all the requests that got a 401)."""
+        assert self._loader is not None
+        self._relogin = self._relogin or asyncio.Lock()
+        async with self._relogin:
+            if self._api is not stale:  # another request already did it
+                return
+            log.info("the API server refused our credentials (401); loading them again")
+            self._api = self._client(await self._loader())
+        await stale.close()
 
     async def request(
         self,
@@ -100,24 +145,35 @@ class KubeClient:
         params: dict[str, str] | None = None,
         content_type: str = "application/json",
     ) -> Obj:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
-        data = None if body is None else json.dumps(body)
-        headers = {
-            "Content-Type": content_type,
-            "Accept": "application/json",
-            "User-Agent": self.user_agent,
-        }
-        async with self._session.request(
-            method, self.server + path, data=data, params=params, headers=headers, ssl=self._ssl
-        ) as rsp:
-            text = await rsp.text()
-            payload = json.loads(text) if text else {}
+        for attempt in (1, 2):
+            api = self._api
+            headers = {"Content-Type": content_type, "Accept": "application/json"}
+            _, url, headers, body_out, _ = await api.param_serialize(
+                method,
+                path,
+                query_params=list(params.items()) if params else None,
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            rsp = await api.call_api(
+                method, url, header_params=headers, body=body_out, _request_timeout=self._timeout
+            )
+            raw = await rsp.read()
+            if rsp.status == 401 and attempt == 1 and self._loader is not None:
+                await self._reload(api)
+                continue
+            text = raw.decode("utf-8", "replace") if raw else ""
+            try:
+                payload = json.loads(text) if text else {}
+            except ValueError:
+                payload = {"message": text}
             if rsp.status >= 400:
                 reason = payload.get("reason") if isinstance(payload, dict) else None
                 message = payload.get("message") if isinstance(payload, dict) else text
-                raise ApiError(rsp.status, reason or rsp.reason or "", message or text)
+                raise ApiError(rsp.status, reason or str(rsp.reason or ""), message or text)
             return payload
+        raise AssertionError("unreachable")
 
     async def get(self, path: str) -> Obj | None:
         try:

@@ -12,7 +12,7 @@ import copy
 import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvscale.operator import constants as c
 from kvscale.operator import render
@@ -92,8 +92,34 @@ def _merge_for_update(live: Mapping[str, Any], desired: Obj) -> Obj:
     return body
 
 
-async def apply(api: KubeClient, desired: Obj, owner_uid: str) -> tuple[Obj, str | None]:
-    """Create or update one child; returns (live object, action or None when untouched)."""
+class ChildCache(Protocol):
+    """The owned objects as the operator's watches last saw them (kopf indexes), so that a
+    pass reads nothing from the API when nothing changed. May lag behind the API; a pass
+    that writes reads the object fresh first."""
+
+    def child(self, kind: str, namespace: str, name: str) -> Obj | None: ...
+
+    def pods(self, namespace: str, name: str) -> list[Obj]: ...
+
+
+def _up_to_date(live: Mapping[str, Any] | None, desired: Obj, owner_uid: str) -> bool:
+    if live is None or not _is_owned(live, owner_uid):
+        return False
+    want_hash = desired["metadata"]["annotations"][c.SPEC_HASH_ANNOTATION]
+    have_hash = (live["metadata"].get("annotations") or {}).get(c.SPEC_HASH_ANNOTATION)
+    want_replicas = desired["spec"].get("replicas")
+    return want_hash == have_hash and (
+        want_replicas is None or (live.get("spec") or {}).get("replicas") == want_replicas
+    )
+
+
+async def apply(
+    api: KubeClient, desired: Obj, owner_uid: str, cached: Mapping[str, Any] | None = None
+) -> tuple[Obj, str | None]:
+    """Create or update one child; returns (live object, action or None when untouched).
+    ``cached``: the object as last watched; when it is already as desired, no request."""
+    if cached is not None and _up_to_date(cached, desired, owner_uid):
+        return dict(cached), None
     res = KINDS[desired["kind"]]
     ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
     path = res.path(ns, name)
@@ -192,9 +218,15 @@ def _events_for(action: str, obj: Mapping[str, Any], replicas: int | None) -> tu
 
 
 async def reconcile(
-    api: KubeClient, llmd: Mapping[str, Any], config: OperatorConfig, *, now: str | None = None
+    api: KubeClient,
+    llmd: Mapping[str, Any],
+    config: OperatorConfig,
+    *,
+    now: str | None = None,
+    cache: ChildCache | None = None,
 ) -> Outcome:
-    """Bring the children of ``llmd`` to what its spec renders to, then update its status."""
+    """Bring the children of ``llmd`` to what its spec renders to, then update its status.
+    ``cache``: the watched children and pods (else they are read from the API)."""
     now = now or now_iso()
     meta = llmd["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
@@ -214,13 +246,20 @@ async def reconcile(
     if spec is not None and not out.problems:
         try:
             for obj in render.render_all(llmd, spec, config, desired):
-                live, action = await apply(api, obj, uid)
+                # The PDB comes and goes with the replica count: never trust a watched copy
+                # of it (the watch may not have seen our own delete yet).
+                trusted = cache is not None and obj["kind"] != "PodDisruptionBudget"
+                cached = cache.child(obj["kind"], ns, name) if trusted else None
+                live, action = await apply(api, obj, uid, cached)
                 if obj["kind"] == "Deployment":
                     deployment = live
                 if action:
                     out.events.append(_events_for(action, obj, obj["spec"].get("replicas")))
             if not render.wants_pdb(spec):
-                pdb = await api.get(PDBS.path(ns, name))
+                # The watched copy only says whether to look (a PDB's own events reconcile
+                # its owner, so one the watch had not seen yet is deleted on its ADDED).
+                seen = cache is None or cache.child("PodDisruptionBudget", ns, name) is not None
+                pdb = await api.get(PDBS.path(ns, name)) if seen else None
                 if pdb is not None and _is_owned(pdb, uid):
                     await api.delete(PDBS.path(ns, name))
                     out.events.append(
@@ -239,10 +278,16 @@ async def reconcile(
             out.problems.append(Problem("ApplyFailed", f"cannot write the owned objects: {e}"))
             out.retry = True
     if deployment is None:
-        live = await api.get(KINDS["Deployment"].path(ns, name))
+        if cache is not None:
+            live = cache.child("Deployment", ns, name)
+        else:
+            live = await api.get(KINDS["Deployment"].path(ns, name))
         deployment = live if live is not None and _is_owned(live, uid) else None
     if deployment is not None and spec is not None:
-        pods = await api.list(PODS.path(ns), render.selector_string(name))
+        if cache is not None:
+            pods = cache.pods(ns, name)
+        else:
+            pods = await api.list(PODS.path(ns), render.selector_string(name))
         out.problems += pod_problems(pods, spec)
     out.problems += deployment_problems(deployment)
 

@@ -8,10 +8,11 @@ the field, e.g. ``spec.engine.tensorParallelSize: must be 1, 2, 4 or 8 (got 3)``
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvscale.operator import admission
 
 TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cuda", "cpu")
@@ -20,31 +21,10 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-# Flags the operator derives from the spec; extraArgs may not set them.
-MANAGED_FLAGS = (
-    "--model",
-    "--host",
-    "--port",
-    "--served-model-name",
-    "--device",
-    "--tensor-parallel-size",
-    "--quantization",
-    "--kv-cache-dtype",
-    "--enable-prefix-caching",
-    "--no-enable-prefix-caching",
-    "--speculative-model",
-    "--num-speculative-tokens",
-    "--api-key",
-    "--drain-timeout",
-)
-SOURCE_PATTERN = re.compile(
-    r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?"
-    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?"
-    r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?"
-    r"|builtin://demo)$"
-)
-QUANTITY_PATTERN = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
-URL_PATTERN = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+# Flags the operator derives from the spec (extraArgs may not name them, even by a prefix),
+# env names it sets, patterns and bounds: one table, checked against the CRD and the server.
+MANAGED_FLAGS = admission.MANAGED_FLAGS
+MANAGED_ENV = admission.MANAGED_ENV
 
 
 class SpecError(ValueError):
@@ -70,6 +50,16 @@ def _int(raw: Mapping[str, Any], key: str, path: str, default: int | None, lo: i
         raise _err(f"{path}.{key}", f"must be an integer (got {value!r})")
     if not lo <= value <= hi:
         raise _err(f"{path}.{key}", f"must be between {lo} and {hi} (got {value})")
+    return value
+
+
+def _bounded(raw: Mapping[str, Any], key: str, path: str, default: int | None) -> Any:
+    """An integer setting whose limits are the server's (``admission.BOUNDS``)."""
+    bound = admission.BOUNDS[f"{path}.{key}"]
+    value = _int(raw, key, path, default, int(bound.lo or 0), int(bound.hi or 2**31 - 1))
+    if value is not None and bound.choices is not None and value not in bound.choices:
+        *head, last = (str(c) for c in bound.choices)
+        raise _err(f"{path}.{key}", f"must be {', '.join(head)} or {last} (got {value})")
     return value
 
 
@@ -102,7 +92,7 @@ def _quantity(raw: Mapping[str, Any], key: str, path: str, default: str | None =
         return None
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise _err(f"{path}.{key}", f"must be a quantity such as 4, 500m or 16Gi (got {value!r})")
-    if isinstance(value, str) and not QUANTITY_PATTERN.match(value):
+    if isinstance(value, str) and not admission.matches(admission.QUANTITY_PATTERN, value):
         raise _err(f"{path}.{key}", f"must be a quantity such as 4, 500m or 16Gi (got {value!r})")
     return str(value)
 
@@ -171,13 +161,16 @@ class ModelSource:
 
 def _model_source(raw: Mapping[str, Any], path: str) -> ModelSource:
     source = raw.get("source")
-    if not isinstance(source, str) or not SOURCE_PATTERN.match(source):
+    if not isinstance(source, str) or not admission.matches(admission.SOURCE_PATTERN, source):
         raise _err(
             f"{path}.source",
-            "must be hf://org/name, pvc://claim/path, s3://bucket/prefix or builtin://demo "
-            f"(got {source!r})",
+            "must be hf://org/name, pvc://claim/path, s3://bucket/prefix or builtin://demo, "
+            "in ASCII letters, digits and . _ - (no '..' or hidden path segments, no spaces "
+            f"or other characters) (got {source!r})",
         )
     revision = _str(raw, "revision", path)
+    if revision is not None and not admission.matches(admission.REVISION_PATTERN, revision):
+        raise _err(f"{path}.revision", f"must be a branch, tag or commit name (got {revision!r})")
     if revision is not None and not source.startswith("hf://"):
         raise _err(f"{path}.revision", "applies to hf:// sources only")
     creds = _secret_ref(raw, "credentialsSecretRef", path)
@@ -305,7 +298,7 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec(
         source=source,
         served_model_name=name,
-        max_model_len=_int(raw, "maxModelLen", path, None, 16, 10_000_000),
+        max_model_len=_bounded(raw, "maxModelLen", path, None),
         dtype=_enum(raw, "dtype", path, "auto", DTYPES),
         cache_size=_quantity(raw, "cacheSize", path),
     )
@@ -313,33 +306,39 @@ def _parse_model(raw: Mapping[str, Any]) -> ModelSpec:
 
 def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
     path = "spec.engine"
-    tp = _int(raw, "tensorParallelSize", path, 1, 1, 8)
-    if tp not in TP_SIZES:
-        raise _err(f"{path}.tensorParallelSize", f"must be 1, 2, 4 or 8 (got {tp})")
+    tp = _bounded(raw, "tensorParallelSize", path, 1)
     gmu = raw.get("gpuMemoryUtilization", 0.9)
-    if isinstance(gmu, bool) or not isinstance(gmu, int | float) or not 0.05 <= gmu <= 1.0:
-        raise _err(f"{path}.gpuMemoryUtilization", f"must be a number in [0.05, 1] (got {gmu!r})")
+    lo, hi = admission.BOUNDS[f"{path}.gpuMemoryUtilization"].lo, 1.0
+    if isinstance(gmu, bool) or not isinstance(gmu, int | float) or not lo <= gmu <= hi:
+        raise _err(f"{path}.gpuMemoryUtilization", f"must be a number in [{lo}, 1] (got {gmu!r})")
     extra = raw.get("extraArgs") or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise _err(f"{path}.extraArgs", "must be a list of strings")
     for arg in extra:
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            raise _err(
-                f"{path}.extraArgs",
-                f"{flag} is set by the operator from the typed fields; remove it from extraArgs",
-            )
+        if not admission.matches(admission.ARG_PATTERN, arg):
+            raise _err(f"{path}.extraArgs", f"{arg!r} contains control characters")
+        why = admission.smuggled_flag(arg)
+        if why is not None:
+            raise _err(f"{path}.extraArgs", why)
+    max_num_seqs = _bounded(raw, "maxNumSeqs", path, 256)
+    max_batched = _bounded(raw, "maxNumBatchedTokens", path, None)
+    if max_batched is not None and max_batched < max_num_seqs:
+        raise _err(
+            f"{path}.maxNumBatchedTokens",
+            f"must be >= maxNumSeqs ({max_num_seqs}) so every running sequence can decode "
+            f"(got {max_batched})",
+        )
     return EngineSpec(
         device=_enum(raw, "device", path, "cuda", DEVICES),
         tensor_parallel_size=tp,
         quantization=_enum(raw, "quantization", path, "none", QUANTIZATIONS),
         prefix_caching=_bool(raw, "prefixCaching", path, True),
         kv_cache_dtype=_enum(raw, "kvCacheDtype", path, "auto", KV_CACHE_DTYPES),
-        max_num_seqs=_int(raw, "maxNumSeqs", path, 256, 1, 65536),
+        max_num_seqs=max_num_seqs,
         gpu_memory_utilization=float(gmu),
-        block_size=_int(raw, "blockSize", path, None, 1, 256),
-        max_num_batched_tokens=_int(raw, "maxNumBatchedTokens", path, None, 1, 10_000_000),
-        max_queue_len=_int(raw, "maxQueueLen", path, None, 0, 10_000_000),
+        block_size=_bounded(raw, "blockSize", path, None),
+        max_num_batched_tokens=max_batched,
+        max_queue_len=_bounded(raw, "maxQueueLen", path, None),
         extra_args=tuple(extra),
     )
 
@@ -371,12 +370,12 @@ def _parse_speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
 def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     path = "spec.autoscaling"
     url = _str(raw, "prometheusUrl", path)
-    if url is not None and not URL_PATTERN.match(url):
+    if url is not None and not admission.matches(admission.URL_PATTERN, url):
         raise _err(f"{path}.prometheusUrl", f"must be an http(s) URL (got {url!r})")
     spec = AutoscalingSpec(
         enabled=_bool(raw, "enabled", path, False),
-        min_replicas=_int(raw, "minReplicas", path, 1, 1, 1000),
-        max_replicas=_int(raw, "maxReplicas", path, 4, 1, 1000),
+        min_replicas=_int(raw, "minReplicas", path, 1, 1, admission.MAX_REPLICAS),
+        max_replicas=_int(raw, "maxReplicas", path, 4, 1, admission.MAX_REPLICAS),
         target_kv_cache_utilization_percent=_int(
             raw, "targetKVCacheUtilizationPercent", path, 80, 1, 100
         ),
@@ -440,7 +439,7 @@ def _parse_lifecycle(raw: Mapping[str, Any]) -> LifecycleSpec:
     path = "spec.lifecycle"
     return LifecycleSpec(
         startup_timeout_seconds=_int(raw, "startupTimeoutSeconds", path, 1800, 30, 86400),
-        drain_timeout_seconds=_int(raw, "drainTimeoutSeconds", path, 120, 0, 3600),
+        drain_timeout_seconds=_bounded(raw, "drainTimeoutSeconds", path, 120),
         pre_stop_delay_seconds=_int(raw, "preStopDelaySeconds", path, 10, 0, 300),
     )
 
@@ -481,11 +480,18 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMDeploymentSpec:
         isinstance(e, Mapping) and isinstance(e.get("name"), str) for e in env
     ):
         raise _err("spec.env", "must be a list of {name, value | valueFrom}")
+    for e in env:
+        if e["name"] in MANAGED_ENV:
+            raise _err(
+                "spec.env",
+                f"{e['name']} is set by the operator (the last duplicate would win); "
+                f"spec.env may not set {', '.join(MANAGED_ENV)}",
+            )
     spec = LLMDeploymentSpec(
         model=_parse_model(_obj(raw, "model", "spec")),
         engine=_parse_engine(_obj(raw, "engine", "spec")),
         speculative=_parse_speculative(_obj(raw, "speculative", "spec")),
-        replicas=_int(raw, "replicas", "spec", 1, 0, 1000),
+        replicas=_int(raw, "replicas", "spec", 1, 0, admission.MAX_REPLICAS),
         autoscaling=_parse_autoscaling(_obj(raw, "autoscaling", "spec")),
         resources=_parse_resources(_obj(raw, "resources", "spec")),
         service=_parse_service(_obj(raw, "service", "spec")),

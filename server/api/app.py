@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvscale import __version__
 from kvscale.server.api.errors import APIError, error_response, install_error_handlers
+from kvscale.server.api.http_limits import BodyLimit
 from kvscale.server.api.lifecycle import Lifecycle
 from kvscale.server.api.metrics import ServerMetrics
 from kvscale.server.api.protocol import (
@@ -54,6 +55,7 @@ T = TypeVar("T")
 
 HEARTBEAT_TIMEOUT_S = 120.0  # /health fails if one engine iteration takes longer than this
 STATS_LOG_INTERVAL_S = 10.0  # how often a busy server logs its load
+WATCHDOG_INTERVAL_S = 0.5  # how often the engine's heartbeat is checked
 WARMUP_PROMPT = "Hello, my name is"
 WARMUP_TOKENS = 4
 
@@ -93,12 +95,14 @@ class Gate:
 
 
 def _authorized(scope: Scope, key: str) -> bool:
+    """Whether the request carries ``Authorization: Bearer <key>``. Bytes are compared with
+    bytes (the key as UTF-8, the header as sent), in constant time, so a non-ASCII key
+    matches a client sending it in UTF-8."""
+    want = key.encode("utf-8")
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and secrets.compare_digest(
-                token.strip().encode(), key.encode()
-            ):
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), want):
                 return True
     return False
 
@@ -148,6 +152,8 @@ async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) 
         log.info("[1/3] loading model %s ...", settings.model_path or settings.model_name)
         aeng = await _in_daemon_thread(factory)
         aeng.max_queue_len = settings.max_queue_len
+        aeng.stall_timeout = settings.engine_stall_timeout
+        aeng.on_dead = lambda code: _engine_died(state, code)
         info = await aeng.start()
         log.info(
             "[2/3] model loaded in %.1fs: %s on %s, %s, max_model_len %d, KV cache %d blocks "
@@ -185,6 +191,30 @@ async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) 
         if aeng is not None:
             aeng.shutdown(timeout=1.0)
         lc.fail(f"{type(e).__name__}: {e}")
+
+
+def _engine_died(state: ServerState, exit_code: int | None) -> None:
+    """The engine process is gone: its requests already failed with an error; exit
+    non-zero now, so Kubernetes restarts the pod (instead of a live process serving
+    nothing and reporting its last gauges)."""
+    state.metrics.bind_stats(lambda: None)  # no ghost gauges until the process is gone
+    state.lifecycle.fail(f"the engine process died (exit code {exit_code})")
+
+
+async def _watchdog(state: ServerState) -> None:
+    """Fails requests (and readiness) while the engine is silent (see ``check_stall``)."""
+    while True:
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        if state.engine is not None:
+            state.engine.check_stall()
+
+
+def _cut_requests(state: ServerState, reason: str) -> int:
+    """Forced shutdown: every request in flight ends now with an error (streams get an
+    error event and ``[DONE]``); returns how many HTTP requests were in flight."""
+    if state.engine is not None:
+        state.engine.close_for_shutdown(reason)
+    return state.lifecycle.inflight
 
 
 async def _log_stats(state: ServerState) -> None:
@@ -255,6 +285,7 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         tasks = [
             asyncio.create_task(_start_engine(state, engine_factory)),
             asyncio.create_task(_log_stats(state)),
+            asyncio.create_task(_watchdog(state)),
         ]
         try:
             yield
@@ -271,8 +302,10 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
         lifespan=lifespan,
     )
     app.state.server = state
+    state.lifecycle.cut = lambda reason: _cut_requests(state, reason)
     install_error_handlers(app)
     app.add_middleware(Gate, state=state)
+    app.add_middleware(BodyLimit, limit=state.body_limit)  # outermost: before any reading
     errors: dict[int | str, dict[str, Any]] = {
         code: {"model": ErrorResponse} for code in (401, 404, 429, 503)
     }
@@ -297,8 +330,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
     @app.get("/ready", tags=["lifecycle"])
     async def ready() -> JSONResponse:
         """Readiness: 200 once loaded and warmed up, 503 while loading or draining."""
-        lc = state.lifecycle
-        if lc.ready and state.engine is not None and state.engine.is_alive():
+        lc, eng = state.lifecycle, state.engine
+        if lc.ready and eng is not None and eng.is_alive() and not eng.stalled:
             return JSONResponse({"status": "ready"})
         if lc.fatal_error:
             status = "failed"
@@ -308,6 +341,8 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
             status = "loading"
         elif not lc.warmed_up:
             status = "warming_up"
+        elif eng is not None and eng.is_alive() and eng.stalled:
+            status = "engine_stalled"
         else:
             status = "engine_dead"
         return JSONResponse({"status": status}, 503)
@@ -386,13 +421,13 @@ def create_app(settings: ServerSettings, engine_factory: Callable[[], AsyncEngin
     async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         """vLLM's tokenizer endpoint: a prompt, or messages with the chat template."""
         check_key(request)
-        return tokenize(state, body)
+        return await tokenize(state, body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, tags=["vllm"], responses=errors)
     async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         """vLLM's detokenizer endpoint: token ids to text."""
         check_key(request)
-        return detokenize(state, body)
+        return await detokenize(state, body)
 
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     return app

@@ -30,9 +30,34 @@ def check_flags(args: argparse.Namespace) -> EngineConfig:
         raise UsageError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.max_request_body_bytes is not None and args.max_request_body_bytes < 0:
+        raise UsageError(
+            f"--max-request-body-bytes must be >= 0 (0: no limit), got "
+            f"{args.max_request_body_bytes}"
+        )
+    if args.max_header_bytes < 1024:
+        raise UsageError(f"--max-header-bytes must be >= 1024, got {args.max_header_bytes}")
+    if not args.request_read_timeout > 0:
+        raise UsageError(f"--request-read-timeout must be > 0, got {args.request_read_timeout}")
+    if not args.engine_stall_timeout > 0:
+        raise UsageError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise UsageError(f"--chat-template: no such file {args.chat_template!r}")
     return EngineConfig.from_args(args)
+
+
+def check_api_key(key: str | None) -> str | None:
+    """The API key, or UsageError for one no client could send: HTTP header values are
+    visible characters, and the bearer token is compared without surrounding spaces.
+    Non-ASCII keys are allowed (clients send them as UTF-8)."""
+    if key is None or key == "":
+        return None
+    if key != key.strip() or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
+        raise UsageError(
+            "the API key (--api-key or $KVSCALE_API_KEY) must not contain control characters "
+            "or start or end with whitespace: no client could send it in a header"
+        )
+    return key
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -59,14 +84,17 @@ def _engine_factory(cfg: EngineConfig, log_level: str):  # type: ignore[no-untyp
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Runs until SIGTERM (drain, exit 0) or SIGINT; 1 if the model failed to load."""
+    """Runs until SIGTERM (drain, exit 0) or SIGINT; 1 if the model failed to load, the
+    engine process died, or a forced shutdown cut requests in flight."""
     import uvicorn
 
     from kvscale.server.api.app import create_app
+    from kvscale.server.api.http_limits import limited_protocol
     from kvscale.server.api.lifecycle import DrainingServer
     from kvscale.server.api.state import ServerSettings
 
     cfg = engine_config(args)
+    api_key = check_api_key(args.api_key or os.environ.get(API_KEY_ENV))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -79,9 +107,11 @@ def run_server(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
         model_path=args.model,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key,
         max_queue_len=args.max_queue_len,
         drain_timeout=args.drain_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
+        engine_stall_timeout=args.engine_stall_timeout,
         warmup=not args.no_warmup,
         chat_template=chat_template,
         prefix_cache_salt_per_key=args.prefix_cache_salt_per_key,
@@ -95,11 +125,14 @@ def run_server(args: argparse.Namespace) -> int:
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=int(GRACEFUL_CLOSE_S),
         access_log=not args.disable_access_log,
+        http=limited_protocol(
+            args.max_header_bytes, args.request_read_timeout, args.request_read_timeout
+        ),
+        h11_max_incomplete_event_size=args.max_header_bytes,
     )
     lifecycle = app.state.server.lifecycle
     server = DrainingServer(config, lifecycle)
     server.run()
     if lifecycle.fatal_error:
         print(f"kvscale serve: error: {lifecycle.fatal_error}", file=sys.stderr)
-        return 1
-    return 0
+    return lifecycle.exit_code

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvscale.server.api import structured
-from kvscale.server.api.errors import APIError, SafeJSONResponse, sse_error
+from kvscale.server.api.errors import APIError, SafeJSONResponse
 from kvscale.server.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -36,6 +36,7 @@ from kvscale.server.api.serving_common import (
     resolve_max_tokens,
     sampling_params,
     sse,
+    sse_failure,
     submit,
     tokenize,
     unless_disconnected,
@@ -162,7 +163,10 @@ async def create_chat_completion(
             )
         constraint = plan.constraint
     constraint = await structured.checked(constraint)
-    ids = render_prompt(engine, req, state.settings.chat_template, plan.tools)
+    # Off the event loop: rendering and tokenizing take time that grows with the messages.
+    ids = await engine.off_loop(
+        render_prompt, engine, req, state.settings.chat_template, plan.tools
+    )
     mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -226,6 +230,7 @@ async def _stream(
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     started: set[int] = set()
+    done: set[int] = set()  # choices whose finish chunk was sent
     usage = UsageInfo()
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: Any, stop: Any) -> str:
@@ -254,6 +259,8 @@ async def _stream(
             usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             for c in out.outputs:
                 i = c.index
+                if i in done:  # outputs are cumulative: a finished choice comes again
+                    continue
                 if i not in started:
                     started.add(i)
                     yield chunk(i, {"role": "assistant", "content": ""}, None, None, None)
@@ -270,6 +277,8 @@ async def _stream(
                     sent_text[i] = max(start, len(c.text))
                 if not delta and not tool_deltas and not c.finished:
                     continue
+                if c.finished:
+                    done.add(i)
                 logprobs = None
                 if k is not None and c.logprobs is not None:
                     t0 = sent_tokens.get(i, 0)
@@ -291,10 +300,8 @@ async def _stream(
                     "usage": usage.model_dump(),
                 }
             )
-    except APIError as e:
-        yield sse_error(e.message, e.status, e.code)
-    except Exception as e:
-        yield sse_error(str(e) or type(e).__name__)
+    except Exception as e:  # the engine failed mid-stream: tell the client, then end
+        yield sse_failure(e)
     finally:
         group.close()
     yield SSE_DONE

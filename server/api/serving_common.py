@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from kvscale.server.api.errors import APIError, dumps, param_of
+from kvscale.server.api.errors import APIError, dumps, param_of, sse_error
 from kvscale.server.api.protocol import SamplingRequest
 from kvscale.server.errors import InvalidRequestError
 from kvscale.server.outputs import RequestOutput
@@ -20,9 +20,11 @@ from kvscale.server.process.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineRequest,
+    EngineStalledError,
     EngineStepError,
     QueueFullError,
     RequestGroup,
+    ServerShutdownError,
 )
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.structured.params import StructuredOutputsParams
@@ -54,6 +56,28 @@ def tokenize(engine: AsyncEngine, text: str, param: str, special: bool = True) -
         return list(engine.tokenizer.encode(text, add_special_tokens=False))
     except Exception as e:
         raise APIError(400, f"cannot tokenize {param}: {e}", param=param) from e
+
+
+async def tokenize_off_loop(
+    engine: AsyncEngine, text: str, param: str, special: bool = True
+) -> list[int]:
+    """``tokenize`` on the engine's text threads (its time grows with the text's size)."""
+    return await engine.off_loop(tokenize, engine, text, param, special)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """The API error for a request the engine could not run (OpenAI's shape, typed code)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineStalledError):
+        return APIError(503, str(e), code="engine_stalled", headers={"Retry-After": "5"})
+    if isinstance(e, ServerShutdownError):
+        return APIError(503, str(e), code="shutting_down", headers={"Connection": "close"})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), code="engine_error")
+    return APIError(500, str(e) or type(e).__name__)
 
 
 def random_id(prefix: str) -> str:
@@ -185,7 +209,7 @@ def submit(
             429, str(e), code="queue_full", headers={"Retry-After": RETRY_AFTER_S}
         ) from e
     except EngineDeadError as e:
-        raise APIError(503, str(e), code="engine_dead") from e
+        raise engine_error(e) from e
     except InvalidRequestError as e:
         param = param_of(e, {"prompt": prompt_param})
         raise APIError(400, str(e), param=param, code=e.code) from e
@@ -198,10 +222,8 @@ async def collect(group: RequestGroup) -> dict[str, RequestOutput]:
         async with group:
             async for out in group:
                 final[out.request_id] = out
-    except EngineDeadError as e:
-        raise APIError(503, str(e), code="engine_dead") from e
-    except EngineStepError as e:
-        raise APIError(500, str(e), code="engine_error") from e
+    except (EngineDeadError, EngineStepError) as e:
+        raise engine_error(e) from e
     return final
 
 
@@ -235,6 +257,12 @@ async def unless_disconnected(awaitable: Awaitable[T], request: Request) -> T | 
 def sse(obj: Any) -> str:
     """One server-sent event."""
     return f"data: {dumps(obj)}\n\n"
+
+
+def sse_failure(e: BaseException) -> str:
+    """The error event that ends a stream the engine could not finish."""
+    err = engine_error(e)
+    return sse_error(err.message, err.status, err.code)
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvscale.server.api import structured
-from kvscale.server.api.errors import APIError, SafeJSONResponse, sse_error
+from kvscale.server.api.errors import APIError, SafeJSONResponse
 from kvscale.server.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -35,8 +35,9 @@ from kvscale.server.api.serving_common import (
     resolve_max_tokens,
     sampling_params,
     sse,
+    sse_failure,
     submit,
-    tokenize,
+    tokenize_off_loop,
     unless_disconnected,
 )
 from kvscale.server.api.state import ServerState
@@ -115,7 +116,9 @@ def _vllm_prompt_logprobs(
     ]
 
 
-def _prompts(req: CompletionRequest, engine: AsyncEngine) -> tuple[list[list[int]], list[str]]:
+async def _prompts(
+    req: CompletionRequest, engine: AsyncEngine
+) -> tuple[list[list[int]], list[str]]:
     """Token ids of each prompt, and its text (for echo)."""
     p = req.prompt
     if isinstance(p, str):
@@ -129,7 +132,10 @@ def _prompts(req: CompletionRequest, engine: AsyncEngine) -> tuple[list[list[int
     check_request_size(len(raw), req.n)
     ids_list, texts = [], []
     for item in raw:
-        ids = tokenize(engine, item, "prompt") if isinstance(item, str) else list(item)
+        if isinstance(item, str):
+            ids = await tokenize_off_loop(engine, item, "prompt")
+        else:
+            ids = list(item)
         ids_list.append(ids)
         texts.append(item if isinstance(item, str) else "")
     return ids_list, texts
@@ -158,7 +164,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     _check_unsupported(req)
     include_usage = check_stream_options(req)
     constraint = await structured.checked(structured.requested(req))
-    prompts, texts = _prompts(req, engine)
+    prompts, texts = await _prompts(req, engine)
     vocab = engine.vocab_size
     rid = random_id("cmpl")
     score_only = req.max_tokens == 0  # the engine samples one token, which is dropped
@@ -184,7 +190,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         reqs.append(EngineRequest(f"{rid}-{i}", ids, params, salt))
     echo = None
     if req.echo:
-        echo = [t or engine.detokenize(ids) for t, ids in zip(texts, prompts, strict=True)]
+        echo = [
+            t or await engine.off_loop(engine.detokenize, ids)
+            for t, ids in zip(texts, prompts, strict=True)
+        ]
     group = submit(engine, reqs)
     created = int(time.time())
     if req.stream:
@@ -270,6 +279,7 @@ async def _stream(
     offsets: dict[int, int] = {}
     prompt_tokens: dict[str, int] = {}
     completion_tokens: dict[int, int] = {}
+    done: set[int] = set()  # choices whose finish chunk was sent
 
     def chunk(index: int, text: str, logprobs: object, finish: str | None, stop: object) -> str:
         return sse(
@@ -309,8 +319,11 @@ async def _stream(
                     yield chunk(p * n + j, echo[p], lp_dump, None, None)
             for c in out.outputs:
                 idx = p * n + c.index
+                if idx in done:  # outputs are cumulative: a finished choice comes again
+                    continue
                 if score_only:
                     if c.finished:
+                        done.add(idx)
                         yield chunk(idx, "", None, "length", None)
                     continue
                 completion_tokens[idx] = len(c.token_ids)
@@ -318,6 +331,8 @@ async def _stream(
                 delta = c.text[start:] if len(c.text) > start else ""
                 if not delta and not c.finished:
                     continue
+                if c.finished:
+                    done.add(idx)
                 sent_text[idx] = max(start, len(c.text))
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
@@ -341,10 +356,8 @@ async def _stream(
                     "usage": usage,
                 }
             )
-    except APIError as e:
-        yield sse_error(e.message, e.status, e.code)
     except Exception as e:  # the engine failed mid-stream: tell the client, then end
-        yield sse_error(str(e) or type(e).__name__)
+        yield sse_failure(e)
     finally:
         group.close()
     yield SSE_DONE

@@ -3,6 +3,8 @@ chat template for messages, so clients count tokens exactly as generation will."
 
 from __future__ import annotations
 
+import functools
+
 from kvscale.server.api.errors import APIError
 from kvscale.server.api.protocol import (
     ChatCompletionRequest,
@@ -14,13 +16,19 @@ from kvscale.server.api.protocol import (
 from kvscale.server.api.serving_chat import render_prompt
 from kvscale.server.api.serving_common import tokenize as tokenize_text
 from kvscale.server.api.state import ServerState
+from kvscale.server.process.async_engine import AsyncEngine
 
 
-def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
+    """Runs on the engine's text threads: the work grows with the client's text."""
     engine = state.require_engine()
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    return await engine.off_loop(_tokenize, state, engine, req)
+
+
+def _tokenize(state: ServerState, engine: AsyncEngine, req: TokenizeRequest) -> TokenizeResponse:
     if req.messages is not None:
         chat = ChatCompletionRequest(
             messages=req.messages,
@@ -43,7 +51,7 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
     )
 
 
-def detokenize(state: ServerState, req: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(state: ServerState, req: DetokenizeRequest) -> DetokenizeResponse:
     engine = state.require_engine()
     state.check_model(req.model)
     bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
@@ -53,5 +61,6 @@ def detokenize(state: ServerState, req: DetokenizeRequest) -> DetokenizeResponse
             f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}",
             param="tokens",
         )
-    text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=False)
+    text = await engine.off_loop(decode, req.tokens)
     return DetokenizeResponse(prompt=text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvscale.server.api.errors import APIError
+from kvscale.server.api.http_limits import MIN_BODY_LIMIT, default_body_limit
 from kvscale.server.api.lifecycle import Lifecycle
 from kvscale.server.api.metrics import ServerMetrics
 from kvscale.server.api.tool_parsers import detect_parser
@@ -24,6 +25,8 @@ class ServerSettings:
     chat_template: str | None = None  # Jinja source overriding the tokenizer's
     prefix_cache_salt_per_key: bool = False  # the bearer token salts each request's cache
     tool_call_parser: str | None = None  # None: the chat template's format, if known
+    max_request_body_bytes: int | None = None  # None: derived from max_model_len; 0: none
+    engine_stall_timeout: float = 30.0  # seconds of engine silence before it counts as stalled
 
     @property
     def model_name(self) -> str:
@@ -48,6 +51,14 @@ class ServerState:
             template = getattr(self.engine.tokenizer, "chat_template", None)
         return detect_parser(template if isinstance(template, str) else None)
 
+    def body_limit(self) -> int | None:
+        """The largest request body accepted, in bytes (None: no limit)."""
+        limit = self.settings.max_request_body_bytes
+        if limit is not None:
+            return limit or None
+        eng = self.engine
+        return MIN_BODY_LIMIT if eng is None else default_body_limit(eng.max_model_len)
+
     def require_engine(self) -> AsyncEngine:
         """The engine, or a 503 while the model loads (or after the engine died)."""
         eng = self.engine
@@ -55,6 +66,14 @@ class ServerState:
             raise APIError(503, "the model is still loading; retry shortly", code="loading")
         if not eng.is_alive():
             raise APIError(503, "the engine loop is not running", code="engine_dead")
+        if eng.stalled:
+            raise APIError(
+                503,
+                f"the engine has not answered for {eng.seconds_since_heartbeat():.0f}s; "
+                "retry later",
+                code="engine_stalled",
+                headers={"Retry-After": "5"},
+            )
         return eng
 
     def check_model(self, name: str | None) -> str:

@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -59,10 +60,22 @@ from kvscale.server.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0  # how long shutdown waits for the engine process before killing it
+DEFAULT_STALL_TIMEOUT_S = 30.0  # no word from the engine this long: it is stalled
+TEXT_WORKERS = 2  # threads tokenizing, rendering templates and detokenizing whole prompts
 
 
 class EngineDeadError(RuntimeError):
     """The engine is not running (not started, stopped, or its process died)."""
+
+
+class EngineStalledError(EngineDeadError):
+    """The engine process has not answered for longer than ``stall_timeout`` (stopped,
+    swapping, wedged in a step): new requests are refused and those in flight fail."""
+
+
+class ServerShutdownError(EngineDeadError):
+    """The server is exiting before this request could finish (drain timeout, or a second
+    SIGTERM)."""
 
 
 class EngineStepError(RuntimeError):
@@ -70,11 +83,11 @@ class EngineStepError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """Too many sequences are already waiting (``max_queue_len``)."""
+    """Admitting the request would leave more than ``max_queue_len`` sequences waiting."""
 
     def __init__(self, num_waiting: int, limit: int) -> None:
         super().__init__(
-            f"the server is at capacity: {num_waiting} sequences are waiting "
+            f"the server is at capacity: {num_waiting} sequences would wait for a free slot "
             f"(max_queue_len={limit}); retry later"
         )
         self.num_waiting = num_waiting
@@ -176,12 +189,18 @@ class AsyncEngine:
         observer: EngineObserver | None = None,
         log_level: str = "INFO",
         process_target: Callable[..., None] = run_engine_process,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         self.config = config
         self.process_target = process_target  # the engine process's entry point
         self.max_queue_len = max_queue_len
         self.observer = observer
         self.log_level = log_level
+        self.stall_timeout = stall_timeout  # seconds without a word from the engine
+        self.on_dead: Callable[[int | None], None] | None = None  # the process exited (code)
+        self.stalled = False
+        self._closing: str | None = None  # why new requests are refused (shutting down)
+        self._text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="kvscale-text")
         self.resolved, self.tokenizer = config.load()
         self.model_config = self.resolved.model
         self.max_model_len = self.resolved.max_model_len
@@ -211,6 +230,13 @@ class AsyncEngine:
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs ``fn(*args)`` on the text threads: tokenizing, rendering a chat template or
+        detokenizing a whole prompt takes time proportional to its (client-chosen) size and
+        must not stall the event loop, which serves every other stream and the probes
+        (the Rust tokenizer releases the GIL)."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, *args)
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
@@ -277,14 +303,54 @@ class AsyncEngine:
             proc.join(5)
         if self._transport is not None:
             self._transport.close()
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     def is_alive(self) -> bool:
         """True while the engine process runs and its pipe is open."""
         return self._running and self._proc is not None and self._proc.is_alive()
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (for operators and tests)."""
+        return None if self._proc is None else self._proc.pid
+
     def seconds_since_heartbeat(self) -> float:
         """Seconds since the engine last reported (each step, or once a second idle)."""
         return time.monotonic() - self.heartbeat
+
+    def check_stall(self) -> bool:
+        """Call periodically on the event loop. An engine that has said nothing for
+        ``stall_timeout`` seconds (it reports after every step and once a second when idle)
+        is stalled: the requests in flight fail with ``EngineStalledError`` (rather than
+        hang) and new ones are refused until it speaks again. Returns ``stalled``."""
+        silent = self.seconds_since_heartbeat()
+        if self._running and not self.stalled and silent > self.stall_timeout:
+            self.stalled = True
+            rids = list(self.processor.requests)
+            log.error(
+                "the engine process has not answered for %.0fs (stall timeout %.0fs); "
+                "failing %d request(s) in flight",
+                silent,
+                self.stall_timeout,
+                len(rids),
+            )
+            self._fail(rids, EngineStalledError(self._stall_message()), abort=True)
+        return self.stalled
+
+    def _stall_message(self) -> str:
+        return (
+            f"the engine has not answered for {self.seconds_since_heartbeat():.0f}s "
+            f"(stall timeout {self.stall_timeout:g}s); retry later"
+        )
+
+    def close_for_shutdown(self, reason: str) -> int:
+        """Refuses new requests and fails those in flight with ``ServerShutdownError`` (their
+        streams end with an error event); returns how many requests were cut."""
+        self._closing = reason
+        rids = list(self.processor.requests)
+        groups = {id(self._groups[r]) for r in rids if r in self._groups}
+        self._fail(rids, ServerShutdownError(f"the server is shutting down ({reason})"), True)
+        return len(groups)
 
     def stats(self) -> EngineStats:
         """The latest snapshot, with finished counts from the output side."""
@@ -308,16 +374,18 @@ class AsyncEngine:
         running and QueueFullError if ``max_queue_len`` sequences are already waiting;
         nothing is queued then.
         """
+        if self._closing is not None:
+            raise ServerShutdownError(f"the server is shutting down ({self._closing})")
         if not self.is_alive():
             raise EngineDeadError("the engine is not running")
+        if self.stalled:
+            raise EngineStalledError(self._stall_message())
         rids = [r.request_id for r in requests]
         if len(set(rids)) != len(rids) or any(r in self._groups for r in rids):
             raise InvalidRequestError("request ids must be unique")
         for r in requests:
             validate_request(r.prompt_token_ids, r.params, self.vocab_size, self.max_model_len)
-        waiting = self.num_waiting
-        if self.max_queue_len is not None and waiting >= self.max_queue_len:
-            raise QueueFullError(waiting, self.max_queue_len)
+        self._admit(sum(r.params.n for r in requests))
         group = RequestGroup(self, rids)
         now = time.monotonic() if arrival_time is None else arrival_time
         for r in requests:
@@ -330,6 +398,35 @@ class AsyncEngine:
             if self.observer is not None:
                 self.observer.on_add(r.request_id, now)
         return group
+
+    def queued_after(self, num_seqs: int) -> int:
+        """Sequences that would wait for a batch slot if ``num_seqs`` more arrived now: the
+        engine's waiting ones, those sent but not yet counted there, and the new ones,
+        less the free slots of the running batch (none while sequences already wait: the
+        engine then lacks KV blocks, not slots)."""
+        s = self._stats
+        running = s.num_running if s else 0
+        waiting = s.num_waiting if s else 0
+        free = 0 if waiting else max(0, int(self.config.max_num_seqs) - running)
+        return max(0, waiting + self._pending_seqs + num_seqs - free)
+
+    def _admit(self, num_seqs: int) -> None:
+        """``max_queue_len``: refuses a request whose sequences (``n`` each) would make more
+        than that many wait; sequences that start at once do not count."""
+        limit = self.max_queue_len
+        if limit is None:
+            return
+        capacity = int(self.config.max_num_seqs) + limit
+        if num_seqs > capacity:
+            raise InvalidRequestError(
+                f"this request asks for {num_seqs} sequences (prompts x n), more than this "
+                f"server can ever admit at once ({capacity}: max_num_seqs "
+                f"{self.config.max_num_seqs} + max_queue_len {limit})",
+                param="n",
+            )
+        queued = self.queued_after(num_seqs)
+        if queued > limit:
+            raise QueueFullError(queued, limit)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -367,6 +464,9 @@ class AsyncEngine:
             self._first.set_result(msg)  # Ready or LoadFailed
             return
         self.heartbeat = time.monotonic()
+        if self.stalled:
+            self.stalled = False
+            log.warning("the engine process answers again")
         match msg:
             case StepDone(updates, stats, now, added):
                 self._on_report(stats, added)
@@ -396,15 +496,21 @@ class AsyncEngine:
                 log.exception("metrics observer failed")
         self._deliver([(out.request_id, out) for out in outputs])
 
-    def _fail(self, rids: Sequence[str], error: BaseException) -> None:
+    def _fail(self, rids: Sequence[str], error: BaseException, abort: bool = False) -> None:
+        """Fails requests with ``error``; ``abort``: also tell the engine to drop them."""
         for rid in rids:
-            if self.processor.abort(rid) and self.observer is not None:
-                self.observer.on_abort(rid)
+            if self.processor.abort(rid):
+                if abort and self._running:
+                    self._outbox.put(AbortRequest(rid))
+                if self.observer is not None:
+                    self.observer.on_abort(rid)
         self._deliver([(rid, error) for rid in rids])
 
-    def _on_engine_dead(self) -> None:
+    def _on_engine_dead(self, unexpected: bool) -> None:
         self._running = False
         self._fail(list(self.processor.requests), EngineDeadError("the engine stopped"))
+        if unexpected and self.on_dead is not None:
+            self.on_dead(self._proc.exitcode if self._proc is not None else None)
 
     # ---- the pipes ---------------------------------------------------------------------
     def _on_pipe_closed(self) -> None:
@@ -412,9 +518,11 @@ class AsyncEngine:
         if self._first is not None and not self._first.done():
             self._first.set_result(None)
             return
-        if self._running:
+        unexpected = self._running
+        if unexpected:
+            self._proc.join(1.0)  # reap it, for its exit code (it is gone or going)
             log.error("the engine process stopped (exit code %s)", self._proc.exitcode)
-        self._on_engine_dead()
+        self._on_engine_dead(unexpected)
 
     def _send_loop(self) -> None:
         """The sender thread: writes queued commands (blocking) until ``None``."""

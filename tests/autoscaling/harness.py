@@ -410,7 +410,7 @@ def llmd_manifest(name: str, namespace: str, autoscaling: dict[str, Any]) -> dic
             "engine": {
                 "device": "cpu",
                 "maxNumSeqs": 4,
-                "extraArgs": ["--num-kv-blocks=32", "--disable-access-log"],
+                "extraArgs": ["--num-kv-blocks", "32", "--disable-access-log"],
             },
             "autoscaling": {"enabled": True, **autoscaling},
         },

@@ -81,12 +81,17 @@ class EmulatorThread:
             return self.call(lambda: getattr(self.api, name))
         return lambda *a, **kw: self.call(attr, *a, **kw)
 
-    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+    def write_kubeconfig(
+        self, path: Path, namespace: str = "default", token_file: Path | None = None
+    ) -> Path:
+        """A kubeconfig for the emulator; ``token_file``: read the token from that file
+        (``tokenFile``), so that tests can rotate it."""
+        user = {"tokenFile": str(token_file)} if token_file else {"token": "emulator"}
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "emulator"}}],
+            "users": [{"name": "tester", "user": user}],
             "contexts": [
                 {
                     "name": "emulator",

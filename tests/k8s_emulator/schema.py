@@ -1,6 +1,8 @@
 """What the API server does with a CRD's structural schema on every write of a custom
 resource: prune unknown fields (or refuse them with ``fieldValidation=Strict``), apply
-defaults, validate with the OpenAPI schema (via ``jsonschema``) and with the CEL rules in
+defaults, validate with the OpenAPI schema (via ``jsonschema``; ``pattern`` in RE2, the Go
+regexp dialect the API server uses, where ``$`` never matches before a final newline and
+``\\w``/``\\s`` are ASCII) and with the CEL rules in
 ``x-kubernetes-validations`` (via ``cel-python``), reporting causes the way Kubernetes does
 (``spec.engine.tensorParallelSize: Invalid value: "integer": <message>``).
 """
@@ -16,6 +18,8 @@ from typing import Any
 
 import celpy
 import jsonschema
+import jsonschema.validators
+import re2
 
 ROOT_KEEP = ("apiVersion", "kind", "metadata")
 
@@ -85,13 +89,24 @@ def _type_name(value: Any) -> str:
     return "object"
 
 
+def _re2_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+    if isinstance(instance, str) and re2.search(pattern, instance) is None:
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+# Draft 7 as the API server applies it: ``pattern`` is a Go (RE2) regular expression.
+ApiServerValidator = jsonschema.validators.extend(
+    jsonschema.Draft7Validator, {"pattern": _re2_pattern}
+)
+
+
 class StructuralSchema:
     """One version's ``openAPIV3Schema``."""
 
     def __init__(self, schema: Mapping[str, Any]) -> None:
         self.schema = copy.deepcopy(dict(schema))
         compile_rules(self.schema)
-        self._validator = jsonschema.Draft7Validator(_to_json_schema(self.schema))
+        self._validator = ApiServerValidator(_to_json_schema(self.schema))
 
     # --- pruning ----------------------------------------------------------------------------
 

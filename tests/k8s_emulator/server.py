@@ -21,6 +21,7 @@ import json
 import logging
 import random
 import string
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -122,6 +123,12 @@ class ApiServer(kmock.KubernetesScaffold):
     _log: list[WatchEvent] = attrs.field(factory=list, init=False)
     _log_rvs: list[int] = attrs.field(factory=list, init=False)
     _changed: asyncio.Event | None = attrs.field(default=None, init=False)
+    # Bearer tokens accepted (None: any request is authenticated); requests with another
+    # token get 401, as a real API server answers a rotated-out service-account token.
+    tokens: set[str] | None = attrs.field(default=None, init=False)
+    refused: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
+    # When each object was created (monotonic seconds), for measurements.
+    created_at: dict[tuple[str, str, str], float] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         # kmock's scaffold registers discovery fallbacks; this server answers them itself.
@@ -230,6 +237,13 @@ class ApiServer(kmock.KubernetesScaffold):
     # --- HTTP entry point ---------------------------------------------------------------------
 
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kubectl (client-go) sends no bearer token over plain HTTP: it is the admin here.
+        if self.tokens is not None and not raw.headers.get("User-Agent", "").startswith("kubectl/"):
+            scheme, _, token = raw.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token.strip() not in self.tokens:
+                agent = raw.headers.get("User-Agent", "")
+                self.refused.append((agent, raw.method, raw.path))
+                return self._status(ApiError(401, "Unauthorized", "Unauthorized"))
         body = await raw.read()
         try:
             data = json.loads(body) if body else None
@@ -916,6 +930,7 @@ class ApiServer(kmock.KubernetesScaffold):
         if params.get("dryRun"):
             return self._with_kind(rtype, obj)
         self._store(rtype, ns, meta["name"], obj, "ADDED")
+        self.created_at[(rtype.plural, ns or "", meta["name"])] = time.monotonic()
         return self._with_kind(rtype, self.get_object(rtype, ns, meta["name"]))
 
     def _write(
@@ -1187,6 +1202,10 @@ class ApiServer(kmock.KubernetesScaffold):
             )
             out.append(self._create(rtype, doc.get("metadata", {}).get("namespace"), doc, {}))
         return out
+
+    def set_tokens(self, tokens: list[str] | None) -> None:
+        """Accept only these bearer tokens from now on (None: accept any request)."""
+        self.tokens = None if tokens is None else set(tokens)
 
     def set_status(
         self, api_version: str, plural: str, ns: str | None, name: str, status: Obj

@@ -93,7 +93,7 @@ VALID = [
     {"engine": {"device": "cpu", "quantization": "fp8", "kvCacheDtype": "fp8"}},
     {"speculative": {"draftModel": {"source": "hf://a/small"}, "numSpeculativeTokens": 4}},
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
-    {"engine": {"extraArgs": ["--max-num-batched-tokens=8192", "--seed", "3"]}},
+    {"engine": {"extraArgs": ["--enforce-eager", "--seed", "3"]}},
     {"model": {"source": "s3://bucket/prefix", "credentialsSecretRef": {"name": "s3"}}},
 ]
 INVALID = [
@@ -116,7 +116,7 @@ INVALID = [
     ),
     ({"engine": {"device": "cpu", "quantization": "awq"}}, "device cpu runs with"),
     ({"engine": {"quantization": "int4"}}, "Unsupported value"),
-    ({"engine": {"extraArgs": ["--tensor-parallel-size=2"]}}, "extraArgs must not set"),
+    ({"engine": {"extraArgs": ["--tensor-parallel-size=2"]}}, "extraArgs must not"),
     ({"model": {"source": "ftp://x/y"}}, "should match"),
     (
         {"model": {"source": "pvc://claim/x", "credentialsSecretRef": {"name": "s"}}},

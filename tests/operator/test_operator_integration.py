@@ -108,8 +108,9 @@ def test_examples_apply_and_reconcile(cluster: Cluster) -> None:
     )
     assert status["endpoint"] == "http://qwen.ml.svc.cluster.local:8000"
     assert status["selector"] == f"{c.OWNER_LABEL}=qwen" and status["desiredReplicas"] == 1
-    events = {e["reason"] for e in cluster.events(NS, "qwen")}
-    assert "Created" in events
+    wait_for(  # events are posted after the pass that wrote the status
+        lambda: "Created" in {e["reason"] for e in cluster.events(NS, "qwen")}, what="events"
+    )
 
 
 def test_printer_columns(cluster: Cluster) -> None:
@@ -167,7 +168,9 @@ def test_missing_secret_is_degraded_then_recovers(cluster: Cluster) -> None:
     assert any(v["name"] == "dshm" for v in pod["volumes"])
     assert pod["initContainers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     assert "hf_test" not in str(dep)
-    assert cluster.get("policy/v1", "poddisruptionbudgets", NS, "llama-8b-tp2") is not None
+    wait_for(  # written after the Deployment and the Service in the same pass
+        lambda: cluster.get("policy/v1", "poddisruptionbudgets", NS, "llama-8b-tp2"), what="a PDB"
+    )
     wait_for(lambda: cluster.condition(NS, "llama-8b-tp2", c.DEGRADED).get("status") == "False")
     wait_for(lambda: any(e["reason"] == "Recovered" for e in cluster.events(NS, "llama-8b-tp2")))
 
@@ -275,7 +278,7 @@ def test_kubectl_scale_and_the_disruption_budget(cluster: Cluster) -> None:
     assert _deployment(cluster, "qwen")["spec"]["template"] == template  # scaling does not roll
     wait_for(lambda: cluster.get("policy/v1", "poddisruptionbudgets", NS, "qwen"), what="a PDB")
     assert wait_for(lambda: cluster.llmd(NS, "qwen")["status"]["desiredReplicas"] == 3)
-    assert any(e["reason"] == "Scaled" for e in cluster.events(NS, "qwen"))
+    wait_for(lambda: any(e["reason"] == "Scaled" for e in cluster.events(NS, "qwen")))
     cluster.kubectl("scale", "llmd", "qwen", "--replicas=1")
     wait_for(
         lambda: cluster.get("policy/v1", "poddisruptionbudgets", NS, "qwen") is None, what="no PDB"
@@ -410,6 +413,31 @@ def test_the_chart_rbac_allows_exactly_what_the_operator_did(cluster: Cluster) -
     assert granted - used <= expected_unused, (
         f"granted but never used: {granted - used - expected_unused}"
     )
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"engine": {"extraArgs": ["--api-k", "x"]}}, "must not name (or abbreviate)"),
+        ({"engine": {"extraArgs": ["--mod", "/etc"]}}, "must not name (or abbreviate)"),
+        ({"env": [{"name": "KVSCALE_API_KEY", "value": ""}]}, "may not set a variable"),
+        ({"engine": {"blockSize": 3}}, "Unsupported value"),
+        ({"engine": {"maxQueueLen": 0}}, "greater than or equal to 1"),
+    ],
+)
+def test_hostile_specs_are_refused_by_the_api_server(
+    cluster: Cluster, spec: dict[str, Any], words: str
+) -> None:
+    """Flag smuggling, env overrides and specs that would crash-loop never get in (#14)."""
+    body = {
+        "apiVersion": LLMD_API,
+        "kind": "LLMDeployment",
+        "metadata": {"name": "hostile", "namespace": NS},
+        "spec": {"model": {"source": "builtin://demo"}, **spec},
+    }
+    proc = cluster.kubectl.run("apply", "-f", "-", input=yaml.safe_dump(body), check=False)
+    assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+    assert cluster.llmd(NS, "hostile") is None
 
 
 def test_operator_log_has_no_errors(cluster: Cluster) -> None:

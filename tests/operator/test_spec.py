@@ -93,9 +93,9 @@ def test_sources(source: str, scheme: str, name: str) -> None:
             "needs device cuda",
         ),
         (
-            {"model": {"source": "hf://a/b"}, "engine": {"extraArgs": ["--port=9000"]}},
+            {"model": {"source": "hf://a/b"}, "engine": {"extraArgs": ["--port", "9000"]}},
             "extraArgs",
-            "--port is set by the operator",
+            "could set --port, which the operator sets",
         ),
         ({"model": {"source": "pvc://m/x", "revision": "v1"}}, "revision", "hf:// sources only"),
         (

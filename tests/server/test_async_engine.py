@@ -15,6 +15,7 @@ import pytest
 from kvscale.server import LLM
 from kvscale.server.api.metrics import ServerMetrics
 from kvscale.server.config import EngineConfig
+from kvscale.server.errors import InvalidRequestError
 from kvscale.server.process.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -161,23 +162,65 @@ def test_bad_input_is_refused_at_submission(llama_ckpt: Path) -> None:
 
 def test_queue_limit_and_dead_engine(llama_ckpt: Path) -> None:
     async def main() -> None:
-        aeng = AsyncEngine(_config(llama_ckpt), max_queue_len=1)
+        cfg = EngineConfig(model=str(llama_ckpt), device="cpu", num_kv_blocks=64, max_num_seqs=1)
+        aeng = AsyncEngine(cfg, max_queue_len=1)
         with pytest.raises(EngineDeadError):
             aeng.submit([EngineRequest("x", PROMPT, SamplingParams())])
         await aeng.start()
         params = SamplingParams(max_tokens=300, ignore_eos=True)
-        first = aeng.submit([EngineRequest("q1", PROMPT, params)])
-        with pytest.raises(QueueFullError) as e:  # q1 is not queued in the engine yet
-            aeng.submit([EngineRequest("q2", PROMPT, params)])
-        assert e.value.limit == 1
+        first = aeng.submit([EngineRequest("q1", PROMPT, params)])  # takes the one slot
+        second = aeng.submit([EngineRequest("q2", PROMPT, params)])  # waits: 1 queued
+        with pytest.raises(QueueFullError) as e:  # would make 2 wait
+            aeng.submit([EngineRequest("q3", PROMPT, params)])
+        assert e.value.limit == 1 and e.value.num_waiting == 2
         aeng.shutdown()
         assert not aeng.is_alive()
-        with pytest.raises(EngineDeadError):
-            async for _ in first:
-                pass
-        first.close()
+        for group in (first, second):
+            with pytest.raises(EngineDeadError):
+                async for _ in group:
+                    pass
+            group.close()
 
     asyncio.run(main())
+
+
+def test_admission_counts_sequences_that_cannot_start(llama_ckpt: Path) -> None:
+    """``max_queue_len`` counts sequences (n each) that would wait for a batch slot: a
+    burst that fits the free slots is admitted whole; an n that overflows is refused."""
+
+    async def main() -> None:
+        cfg = EngineConfig(model=str(llama_ckpt), device="cpu", num_kv_blocks=64, max_num_seqs=4)
+        aeng = AsyncEngine(cfg, max_queue_len=1)
+        await aeng.start()
+        try:
+            params = SamplingParams(max_tokens=300, ignore_eos=True)
+            groups = [aeng.submit([EngineRequest(f"r{i}", PROMPT, params)]) for i in range(5)]
+            with pytest.raises(QueueFullError):  # 4 running, 1 queued: the limit
+                aeng.submit([EngineRequest("r5", PROMPT, params)])
+            big = SamplingParams(n=6, max_tokens=8, ignore_eos=True)
+            with pytest.raises(InvalidRequestError) as e:  # 6 > 4 slots + 1 queued, ever
+                aeng.submit([EngineRequest("n6", PROMPT, big)])
+            assert e.value.param == "n"
+            for g in groups:
+                g.close()
+            await _wait_until(lambda: aeng.queued_after(0) == 0 and not aeng.stats().num_running)
+            five = SamplingParams(n=5, max_tokens=300, ignore_eos=True)
+            group = aeng.submit([EngineRequest("n5", PROMPT, five)])  # 4 start, 1 waits
+            with pytest.raises(QueueFullError):  # one more would make 2 wait
+                aeng.submit([EngineRequest("one", PROMPT, SamplingParams(max_tokens=2))])
+            group.close()
+        finally:
+            aeng.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+async def _wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("timed out")
 
 
 def test_a_flood_of_steps_under_uvloop_reaches_every_stream(

@@ -51,10 +51,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: [get, list, watch, create, update, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create, update]
+  verbs: [get, list, watch, create, update]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, update, delete]
+  verbs: [get, list, watch, create, update, delete]
 # Pods: watched to report unschedulable or crashing replicas.
 - apiGroups: [""]
   resources: [pods]
