@@ -143,6 +143,8 @@ async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) 
         log.info("[1/3] loading model %s ...", settings.model_path or settings.model_name)
         aeng = await _in_daemon_thread(factory)
         aeng.max_queue_len = settings.max_queue_len
+        # an engine that dies (e.g. a tensor-parallel rank) fails readiness, then exits 1
+        aeng.on_fatal = lambda reason: lc.fail(f"the engine failed: {reason}")
         info = await aeng.start()
         log.info(
             "[2/3] model loaded in %.1fs: %s on %s, %s, max_model_len %d, KV cache %d blocks "

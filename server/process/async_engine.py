@@ -12,7 +12,10 @@ the HTTP layer nor detokenization runs in the engine's interpreter, so they neve
 stall the engine loop, and the event loop never waits on model compute.
 
 A step that raises in the engine fails the requests in flight (they get an
-``EngineStepError``) and the engine keeps serving. Closing a ``RequestGroup`` before its
+``EngineStepError``) and the engine keeps serving. An engine that dies (its process
+exits, or it reports ``Fatal``: a tensor-parallel rank died or hangs) fails every
+request with an ``EngineDeadError`` carrying the reason and calls ``on_fatal(reason)``
+(the server then exits non-zero). Closing a ``RequestGroup`` before its
 requests finish (a client that disconnected) aborts them in the engine, which frees
 their KV blocks.
 """
@@ -43,6 +46,7 @@ from kvscale.server.process.messages import (
     AbortRequest,
     AddRequest,
     Command,
+    Fatal,
     FinishSequence,
     Idle,
     LoadFailed,
@@ -199,6 +203,9 @@ class AsyncEngine:
         self._first: asyncio.Future[Report | None] | None = None
         self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._running = False
+        # called on the event loop, once, when a started engine dies (with the reason)
+        self.on_fatal: Callable[[str], None] | None = None
+        self.fatal_reason: str | None = None
 
     # ---- read-only helpers ----------------------------------------------------------------
     @property
@@ -248,7 +255,7 @@ class AsyncEngine:
             raise
         if not isinstance(msg, Ready):
             self.shutdown(timeout=1.0)
-            raise RuntimeError(msg.message if isinstance(msg, LoadFailed) else repr(msg))
+            raise RuntimeError(msg.message if isinstance(msg, LoadFailed | Fatal) else repr(msg))
         self.info = msg.info
         self._stats = msg.stats
         self.heartbeat = time.monotonic()
@@ -378,6 +385,9 @@ class AsyncEngine:
                 self._fail(rids, EngineStepError(message))
             case Refused(rid, message):
                 self._fail([rid], EngineStepError(f"cannot queue request: {message}"))
+            case Fatal(message):
+                log.error("the engine failed: %s", message)
+                self._on_engine_dead(message)
             case _:
                 log.error("unexpected message from the engine process: %r", msg)
 
@@ -402,9 +412,14 @@ class AsyncEngine:
                 self.observer.on_abort(rid)
         self._deliver([(rid, error) for rid in rids])
 
-    def _on_engine_dead(self) -> None:
-        self._running = False
-        self._fail(list(self.processor.requests), EngineDeadError("the engine stopped"))
+    def _on_engine_dead(self, reason: str | None = None) -> None:
+        was_running, self._running = self._running, False
+        if reason is not None and self.fatal_reason is None:
+            self.fatal_reason = reason
+        message = f"the engine stopped: {self.fatal_reason}" if self.fatal_reason else None
+        self._fail(list(self.processor.requests), EngineDeadError(message or "the engine stopped"))
+        if was_running and self.fatal_reason and self.on_fatal is not None:
+            self.on_fatal(self.fatal_reason)
 
     # ---- the pipes ---------------------------------------------------------------------
     def _on_pipe_closed(self) -> None:
@@ -412,9 +427,12 @@ class AsyncEngine:
         if self._first is not None and not self._first.done():
             self._first.set_result(None)
             return
+        reason = None
         if self._running:
-            log.error("the engine process stopped (exit code %s)", self._proc.exitcode)
-        self._on_engine_dead()
+            self._proc.join(1.0)  # it closed its pipe by exiting: learn how
+            reason = f"the engine process exited unexpectedly (exit code {self._proc.exitcode})"
+            log.error("%s", reason)
+        self._on_engine_dead(reason)
 
     def _send_loop(self) -> None:
         """The sender thread: writes queued commands (blocking) until ``None``."""
