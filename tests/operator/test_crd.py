@@ -90,6 +90,7 @@ VALID = [
     {"engine": {"quantization": "fp8", "kvCacheDtype": "fp8", "prefixCaching": True}},
     {"engine": {"quantization": "awq"}, "model": {"source": "hf://a/b", "dtype": "float16"}},
     {"engine": {"device": "cpu"}},
+    {"engine": {"device": "cpu", "tensorParallelSize": 2}},  # gloo ranks, as the server runs
     {"speculative": {"draftModel": {"source": "hf://a/small"}, "numSpeculativeTokens": 4}},
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
     {"engine": {"extraArgs": ["--max-num-batched-tokens=8192", "--seed", "3"]}},
