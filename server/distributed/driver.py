@@ -178,9 +178,11 @@ class _WatchedStep(PendingStep):
     def result(self) -> StepResult:
         with self._driver._waiting():
             try:
-                return self._inner.result()
+                result = self._inner.result()
             except BaseException as e:
                 raise self._driver._failed_call(e) from e
+        self._driver._check()  # an aborted collective completes, with garbage
+        return result
 
 
 class DriverWorker:
