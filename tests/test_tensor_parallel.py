@@ -44,8 +44,16 @@ FORCED = dict(max_num_batched_tokens=16, max_num_seqs=16, num_kv_blocks=14, max_
 ARCHES: dict[str, dict[str, Any]] = {
     # 4 heads, 2 KV heads: each rank holds 2 query heads and 1 KV head
     "llama": dict(arch="llama"),
-    # 1 KV head: replicated on both ranks; vocabulary padded to 32,000
-    "llama-mqa-odd-vocab": dict(arch="llama", seed=4, num_key_value_heads=1, vocab_size=ODD_VOCAB),
+    # 1 KV head: replicated on both ranks; vocabulary padded to 32,000; biases on every
+    # projection (row-parallel biases are added once, after the all-reduce)
+    "llama-mqa-odd-vocab": dict(
+        arch="llama",
+        seed=4,
+        num_key_value_heads=1,
+        vocab_size=ODD_VOCAB,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
     # q/k/v biases, tied (and padded) embeddings
     "qwen2-odd-vocab": dict(arch="qwen2", seed=2, vocab_size=ODD_VOCAB),
 }
@@ -56,16 +64,26 @@ def ckpts(checkpoint_factory: Callable[..., Path]) -> dict[str, Path]:
     return {name: checkpoint_factory(name, **kw) for name, kw in ARCHES.items()}
 
 
-def _tp1_reference(path: Path, params: SamplingParams) -> list[list[int]]:
-    """TP=1's tokens, on one thread as each of the two ranks runs (the same arithmetic
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+# rank 0 samples for everyone: seeded draws, penalties and logprobs give TP=1's results
+OTHERS = [
+    SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_NEW, ignore_eos=True),
+    SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, seed=3,
+                   max_tokens=MAX_NEW, ignore_eos=True, logprobs=2),
+]  # fmt: skip
+PARAMS = [GREEDY] * (len(PROMPTS) - len(OTHERS)) + OTHERS
+
+
+def _tp1_reference(path: Path) -> list[Any]:
+    """TP=1's outputs, on one thread as each of the two ranks runs (the same arithmetic
     as the default; two busy OpenMP threads on a shared 2-core machine crawl)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        outs = LLM(str(path), device="cpu", **FORCED).generate(PROMPTS, params)
+        outs = LLM(str(path), device="cpu", **FORCED).generate(PROMPTS, PARAMS)
     finally:
         torch.set_num_threads(threads)
-    return [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0] for o in outs]
 
 
 def _tp_llm(path: Path, **kw: Any) -> LLM:
@@ -73,22 +91,28 @@ def _tp_llm(path: Path, **kw: Any) -> LLM:
 
 
 @pytest.mark.parametrize("arch", list(ARCHES))
-def test_tp2_greedy_tokens_equal_tp1(ckpts: dict[str, Path], arch: str) -> None:
+def test_tp2_tokens_equal_tp1(ckpts: dict[str, Path], arch: str) -> None:
     path = ckpts[arch]
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    ref = _tp1_reference(path, params)
+    ref = _tp1_reference(path)
     llm = _tp_llm(path, **FORCED)
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
         eng = llm.engine
         assert eng.stats().num_preemptions > 0
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         llm.engine.core.shutdown()
     assert max(len(p) for p in PROMPTS) > 16  # prompts were split into chunks
-    bad = [i for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r]
-    assert not bad, f"prompts {bad} differ: {got[bad[0]]} vs {ref[bad[0]]}"
-    assert all(t < ODD_VOCAB for toks in got for t in toks)
+    got, want = [o.token_ids for o in outs], [o.token_ids for o in ref]
+    bad = [i for i, (g, r) in enumerate(zip(got, want, strict=True)) if g != r]
+    assert not bad, f"prompts {bad} differ: {got[bad[0]]} vs {want[bad[0]]}"
+    assert all(t < ODD_VOCAB for toks in got for t in toks)  # padding never sampled
+    for a, b in zip(outs[-1].logprobs or [], ref[-1].logprobs or [], strict=True):
+        assert a.keys() == b.keys()
+        for tok in a:
+            assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
+            assert a[tok].rank == b[tok].rank
+    assert outs[-1].logprobs
 
 
 def test_a_hung_rank_fails_the_engine_within_the_watchdog_timeout(ckpts: dict[str, Path]) -> None:
@@ -116,8 +140,10 @@ def _expected_share(name: str, full: int, rank: int, cfg: ModelConfig) -> int:
     """Bytes rank ``rank`` of 2 must read of tensor ``name`` (``full`` bytes)."""
     if "norm" in name:
         return full  # replicated
-    if name.endswith(("k_proj.weight", "v_proj.weight")) and cfg.num_kv_heads < 2:
+    if ("k_proj" in name or "v_proj" in name) and cfg.num_kv_heads < 2:
         return full  # one KV head, replicated on both ranks
+    if name.endswith(("o_proj.bias", "down_proj.bias")):
+        return full  # a row-parallel layer's bias is added once, after the sum
     if "embed_tokens" in name or name == "lm_head.weight":
         row = full // cfg.vocab_size
         per_rank = padded_vocab_size(cfg.vocab_size, 2) // 2
