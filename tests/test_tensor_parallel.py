@@ -10,7 +10,9 @@ that hangs fails the engine within ``watchdog_timeout`` with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -24,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from kvscale.server import LLM, SamplingParams
-from kvscale.server.config import EngineConfig, ModelConfig, check_tensor_parallel
+from kvscale.server.config import CheckpointError, EngineConfig, ModelConfig, check_tensor_parallel
 from kvscale.server.distributed import TensorParallelError
 from kvscale.server.distributed.group import check_gpus, rank_env
 from kvscale.server.layers.embedding import ParallelLMHead
@@ -133,6 +135,30 @@ def test_a_hung_rank_fails_the_engine_within_the_watchdog_timeout(ckpts: dict[st
             llm.generate([PROMPTS[1]], params)
     finally:
         llm.engine.core.shutdown()
+
+
+def _children() -> set[int]:
+    """This process's live child processes (Linux)."""
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids.update(int(p) for p in (task / "children").read_text().split())
+    return pids
+
+
+def test_a_checkpoint_that_cannot_load_stops_every_rank(
+    ckpts: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    broken = Path(shutil.copytree(ckpts["llama"], tmp_path / "broken"))
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    before = _children()
+    with pytest.raises((CheckpointError, TensorParallelError), match="missing tensors"):
+        _tp_llm(broken, num_kv_blocks=32, max_model_len=128)
+    assert _children() == before  # rank 1 was stopped and reaped
 
 
 # ---- each rank reads only its slices ------------------------------------------------

@@ -227,9 +227,16 @@ class DriverWorker:
             self.worker = Worker(rank_config(config, 0), self.parallel)
             self._wait_for(lambda r: r.loaded)
         except BaseException as e:
-            reason = self._failure or f"{type(e).__name__}: {e}"
+            if self._failure is None and isinstance(e, RuntimeError):
+                self._wait_for_reason()  # gloo raises on rank 0 when a peer dies
+            failure = self._failure
+            for r in self._ranks:  # they may wait in a collective rank 0 never joins
+                with contextlib.suppress(OSError):
+                    r.proc.kill()
             self.shutdown()
-            raise TensorParallelError(f"tensor-parallel start-up failed: {reason}") from e
+            if failure is None:
+                raise  # rank 0's own error (a bad checkpoint, too little memory...), as is
+            raise TensorParallelError(f"tensor-parallel start-up failed: {failure}") from e
         log.info(
             "tensor parallelism: %d ranks on %s, %d KV blocks each",
             tp,
@@ -296,15 +303,20 @@ class DriverWorker:
     def _failed_call(self, e: BaseException) -> TensorParallelError:
         """The error for a call on rank 0 that raised: a rank's failure (gloo raises on
         rank 0 when a peer dies; the monitor names it), else rank 0's own error."""
-        deadline = time.monotonic() + REASON_WAIT_S
-        while self._failure is None and time.monotonic() < deadline:
-            time.sleep(POLL_S)  # a peer's socket may close before its death is seen
+        self._wait_for_reason()
         if self._failure is None:
             self._fail(
                 f"rank 0 failed in a step ({type(e).__name__}: {e}); the ranks may have "
                 "run collectives rank 0 did not, so the engine stops"
             )
         return TensorParallelError(self._failure or str(e))
+
+    def _wait_for_reason(self) -> None:
+        """Gives the monitor ``REASON_WAIT_S`` to name a rank's failure (a peer's socket
+        may close before its death is seen)."""
+        deadline = time.monotonic() + REASON_WAIT_S
+        while self._failure is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
 
     def _fail(self, reason: str) -> None:
         with self._fail_lock:
