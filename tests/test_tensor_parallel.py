@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -290,6 +291,23 @@ class _PackedStorage(LinearMethod):
         raise NotImplementedError
 
 
+def test_checkpoint_tensors_read_only_what_is_used(tmp_path: Path) -> None:
+    w = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    save_file({"w": w, "s": torch.tensor(2.0)}, str(tmp_path / "model.safetensors"))
+    reads: dict[str, int] = {}
+    t = dict(iter_tensors(tmp_path, reads))
+    lazy = t["w"][2:4, 1:5]  # slicing and narrowing read nothing
+    assert lazy.shape == (2, 4) and len(lazy) == 2 and not reads
+    assert torch.equal(lazy.narrow(1, 1, 2).read(), w[2:4, 2:4]) and reads == {"w": 16}
+    dst = torch.zeros(2, 4)
+    dst.copy_(lazy)  # a torch function reads what it is given
+    assert torch.equal(dst, w[2:4, 1:5]) and reads == {"w": 16 + 32}
+    assert torch.equal(lazy * 2, w[2:4, 1:5] * 2) and float(t["s"]) == 2.0
+    assert torch.equal(t["w"][[0, 5]], w[[0, 5]])  # fancy indexing reads, then indexes
+    with pytest.raises(ValueError, match="cannot take"):
+        t["w"].narrow(0, 4, 3)
+
+
 @pytest.mark.parametrize("packed", ["input", "output"])
 def test_packed_weights_are_read_in_stored_units(tmp_path: Path, packed: str) -> None:
     """The slice reading follows ``packed_dim``/``pack_factor``, whatever the format."""
@@ -326,6 +344,19 @@ def test_packed_weights_are_read_in_stored_units(tmp_path: Path, packed: str) ->
         torch.testing.assert_close(row.qweight, qweight.chunk(2, in_dim)[rank])
         torch.testing.assert_close(col.scales, scales.chunk(2, 0)[rank])
         torch.testing.assert_close(row.scales, scales.chunk(2, 1)[rank])
+
+
+def test_other_ranks_get_steps_without_the_samplers_arrays() -> None:
+    from kvscale.server.distributed.driver import step_for_other_ranks
+    from kvscale.server.worker.step import profile_step
+
+    step = profile_step(20, 8)
+    step.arrays["prompt_ids"] = np.zeros((1, 4096), dtype=np.int64)
+    slim = step_for_other_ranks(step)
+    assert set(slim.arrays) == set(step.arrays) - {"sampling", "prompt_ids"}
+    assert slim.sampling.num_rows == step.sampling.num_rows == 1
+    assert (slim.num_seqs, slim.max_query_len, slim.graph_size) == (1, 20, 0)
+    assert "prompt_ids" in step.arrays  # rank 0's own step is untouched
 
 
 # ---- vocabulary padding, settings and start-up checks --------------------------------

@@ -5,7 +5,8 @@
 their own (``rank``), joins the process group with them and builds rank 0's own
 ``Worker``. Each step is pickled once and written to every rank's pipe before rank 0
 runs it itself, so all ranks enter the step's collectives together; rank 0 samples and
-broadcasts the tokens (``Worker``). The engine's pipelining is unchanged: step N+1 is
+broadcasts the tokens (``Worker``), so the other ranks get each step without the arrays
+only the sampler reads. The engine's pipelining is unchanged: step N+1 is
 broadcast and launched before step N's tokens are read, and each rank copies its step
 to its device in one pinned transfer.
 
@@ -21,6 +22,7 @@ rank 0 did not, so none of them can be trusted with the next step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -48,7 +50,7 @@ from kvscale.server.distributed.group import (
     rank_env,
 )
 from kvscale.server.distributed.protocol import Failed, Init, Joining, Loaded
-from kvscale.server.worker.step import StepInput
+from kvscale.server.worker.step import SamplingPlan, StepInput
 from kvscale.server.worker.worker import PendingStep, StepResult, Worker
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,19 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the monitor looks at the ranks
 STOP_TIMEOUT_S = 10.0  # how long a rank may take to stop before it is killed
 REASON_WAIT_S = 2.0  # how long a failed call on rank 0 waits for the monitor's reason
+
+
+# Arrays only rank 0's sampler reads: the other ranks never get them (penalty histories
+# alone can be megabytes a step).
+SAMPLER_ONLY = frozenset({"sampling", "ban_rows", "ban_cols", "prompt_ids", "output_ids"})
+
+
+def step_for_other_ranks(step: StepInput) -> StepInput:
+    """``step`` without what only rank 0's sampler reads; the other ranks still know how
+    many rows sample (they receive that many tokens)."""
+    n = step.sampling.num_rows
+    arrays = {k: v for k, v in step.arrays.items() if k not in SAMPLER_ONLY}
+    return dataclasses.replace(step, arrays=arrays, sampling=SamplingPlan([None] * n, [None] * n))
 
 
 class TensorParallelError(RuntimeError):
@@ -262,7 +277,7 @@ class DriverWorker:
         self._check()
         with self._waiting():
             try:
-                data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+                data = pickle.dumps(step_for_other_ranks(step), protocol=pickle.HIGHEST_PROTOCOL)
                 for r in self._ranks:
                     r.steps.send_bytes(data)
                 pending = self.worker.launch(step)

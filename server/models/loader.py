@@ -132,6 +132,21 @@ class CheckpointTensor:
             self._reads[self.name] = self._reads.get(self.name, 0) + t.numel() * t.element_size()
         return t
 
+    def __getitem__(self, index: Any) -> Any:
+        """Basic slices (``t[a:b]``, ``t[:, a:b]``) narrow without reading; any other
+        index reads, then indexes."""
+        idx = index if isinstance(index, tuple) else (index,)
+        if len(idx) <= self.ndim and all(isinstance(i, slice) and i.step in (None, 1) for i in idx):
+            out = self
+            for dim, sl in enumerate(idx):
+                start, stop, _ = sl.indices(out.shape[dim])
+                out = out.narrow(dim, start, max(0, stop - start))
+            return out
+        return self.read()[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
     def reshape(self, *shape: Any) -> torch.Tensor:
         return self.read().reshape(*shape)
 
@@ -148,6 +163,18 @@ class CheckpointTensor:
 
     def __repr__(self) -> str:
         return f"CheckpointTensor({self.name!r}, {tuple(self.shape)}, {self.dtype})"
+
+
+def _reading(op: str) -> Any:
+    def apply(self: CheckpointTensor, *args: Any) -> Any:
+        return getattr(self.read(), op)(*_unwrap(args))
+
+    return apply
+
+
+for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+            "__truediv__", "__neg__", "__float__", "__int__"):  # fmt: skip
+    setattr(CheckpointTensor, _op, _reading(_op))
 
 
 def iter_tensors(
