@@ -174,7 +174,7 @@ def test_tp2_prefix_caching_gives_the_uncached_tokens(
     checkpoint_factory: Callable[..., Path],
 ) -> None:
     path = checkpoint_factory("gpu-tp-llama", **ARCHES["llama"])
-    system = PROMPTS[0] * 3  # a shared 3-block prefix
+    system = PROMPTS[0] * 3  # a shared prefix of several 16-token blocks
     prompts = [system + p[1:] for p in PROMPTS[:8]]
     kw = dict(dtype="float32", tensor_parallel_size=2, max_model_len=512)
     off, llm = _run(path, prompts, enable_prefix_caching=False, **kw)
