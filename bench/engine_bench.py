@@ -13,6 +13,14 @@ loaded through the engine's real loader (and by transformers for the peer). Work
   text prompts that both servers tokenize to the same ids) at each concurrency. Peer:
   ``transformers serve --continuous-batching`` under the same client and prompts.
 
+Tensor parallelism (two GPUs, not part of ``all``): ``tp1`` and ``tp2`` run C and A at
+TP=1 and TP=2, ``serve-tp2`` runs D at TP=2 (``serve`` gives TP=1), ``allreduce``
+profiles TP=2 decode steps (graph replays) for the NCCL kernels' share of a step; the
+report adds a TP=1 vs TP=2 table with the targets (C TPOT <= 0.62x, A >= 1.6x).
+
+    python bench/engine_bench.py --phases ceilings,tp1,tp2,serve,serve-tp2,allreduce \
+        --concurrency 64,256 --report
+
 Each phase writes ``<out-dir>/phase_<name>.json`` as soon as it is done, and a phase whose
 file exists is skipped (``--force`` reruns it), so a run can be resumed; ``--report``
 assembles ``engine.json``, ``engine.md`` and ``serving.png`` from the phase files: each
@@ -94,6 +102,10 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "fp8",
     "structured",
 )
+TP_PHASES = ("tp1", "tp2", "serve-tp2", "allreduce")  # two GPUs; run by name only
+TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
+ALLREDUCE_BATCHES = (1, 64)
+ALLREDUCE_STEPS = 20
 
 
 # ---------------------------------------------------------------- pure arithmetic
@@ -378,6 +390,90 @@ def build_rows(res: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     return rows, bounds
 
 
+def tp_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """TP=1 vs TP=2 from the ``tp1``/``tp2`` (or ``ours``) and ``serve``/``serve-tp2``
+    phases: per metric both values, TP=2 / TP=1, the target and whether it is met."""
+    rows: list[dict[str, Any]] = []
+    tp1, tp2 = res.get("tp1") or res.get("ours", {}), res.get("tp2", {})
+
+    def add(workload: str, metric: str, a: Any, b: Any, target: str = "", ok: Any = None) -> None:
+        if a is None or b is None:
+            return
+        rows.append(
+            {"workload": workload, "metric": metric, "tp1": a, "tp2": b,
+             "ratio": b / a if a else None, "target": target, "met": ok}
+        )  # fmt: skip
+
+    c1, c2 = tp1.get("latency", {}), tp2.get("latency", {})
+    if "tpot_ms" in c1 and "tpot_ms" in c2:
+        ratio = c2["tpot_ms"] / c1["tpot_ms"]
+        limit = TP_TARGETS["C"]
+        add("C batch-1", "TPOT (ms)", c1["tpot_ms"], c2["tpot_ms"], f"<= {limit}x", ratio <= limit)
+        add("C batch-1", "TTFT (ms)", c1.get("ttft_ms"), c2.get("ttft_ms"))
+    a1, a2 = tp1.get("A", {}), tp2.get("A", {})
+    if "output_tok_per_s" in a1 and "output_tok_per_s" in a2:
+        ratio = a2["output_tok_per_s"] / a1["output_tok_per_s"]
+        limit = TP_TARGETS["A"]
+        add("A 256 x 512/256", "output tok/s", a1["output_tok_per_s"], a2["output_tok_per_s"],
+            f">= {limit}x", ratio >= limit)  # fmt: skip
+    s1, s2 = res.get("serve", {}), res.get("serve-tp2", {})
+    for c in concurrency_levels(s2):
+        if str(c) not in s1:
+            continue
+        for metric, key in (
+            ("median TPOT (ms)", "median_tpot_ms"),
+            ("median TTFT (ms)", "median_ttft_ms"),
+            ("output tok/s", "output_throughput"),
+            ("failed requests", "failed_requests"),
+        ):
+            add(f"D serve c={c}", metric, s1[str(c)][key], s2[str(c)][key])
+    return rows
+
+
+def format_tp_table(res: dict[str, Any]) -> str:
+    """Markdown of ``tp_rows`` and the all-reduce's share of a TP=2 decode step."""
+    rows = tp_rows(res)
+    lines: list[str] = []
+    if rows:
+        lines += [
+            "| workload | metric | TP=1 | TP=2 | TP=2 / TP=1 | target | met |",
+            "|---|---|---:|---:|---:|---|---|",
+        ]
+        for r in rows:
+            ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "n/a"
+            met = "" if r["met"] is None else ("yes" if r["met"] else "NO")
+            lines.append(
+                f"| {r['workload']} | {r['metric']} | {r['tp1']:.2f} | {r['tp2']:.2f} | {ratio} "
+                f"| {r['target']} | {met} |"
+            )
+    for batch, a in sorted(res.get("allreduce", {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(
+            f"- TP=2 decode step at batch {batch}: {a['step_ms']:.2f} ms, NCCL kernels "
+            f"{a['nccl_ms']:.2f} ms ({100 * a['share_of_step']:.1f}% of the step, "
+            f"{100 * a['share_of_gpu']:.1f}% of rank 0's kernel time)"
+        )
+    return "\n".join(lines)
+
+
+def allreduce_share(
+    kernels: list[tuple[str, float]], steps: int, step_ms: float
+) -> dict[str, float]:
+    """Rank 0's CUDA kernels over ``steps`` decode steps (``(name, microseconds)``) and
+    the mean step time -> NCCL kernel time per step and its share of the step and of all
+    kernel time."""
+    total = sum(us for _, us in kernels)
+    nccl = sum(us for name, us in kernels if "nccl" in name.lower())
+    nccl_ms = nccl / steps / 1e3
+    return {
+        "steps": steps,
+        "step_ms": step_ms,
+        "gpu_ms": total / steps / 1e3,
+        "nccl_ms": nccl_ms,
+        "share_of_step": nccl_ms / step_ms if step_ms else 0.0,
+        "share_of_gpu": nccl / total if total else 0.0,
+    }
+
+
 def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Markdown and JSON of a run's phase results."""
     rows, bounds = build_rows(res)
@@ -391,6 +487,9 @@ def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             f"{c['matmul']:.0f} TFLOP/s"
         )
     lines += ["", format_table(rows), ""]
+    tp = format_tp_table(res)
+    if tp:
+        lines += ["## Tensor parallelism (2 GPUs)", "", tp, ""]
     for w in ("A", "B"):
         steps = res.get("ours", {}).get(w, {}).get("steps")
         if steps:
@@ -405,7 +504,13 @@ def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     missing = [p for p in PHASES if p not in res]
     if missing:
         lines.append(f"- phases not run: {', '.join(missing)}")
-    doc = {"meta": meta, "bounds": bounds, "rows": [asdict(r) for r in rows], "phases": res}
+    doc = {
+        "meta": meta,
+        "bounds": bounds,
+        "rows": [asdict(r) for r in rows],
+        "tp_rows": tp_rows(res),
+        "phases": res,
+    }
     return "\n".join(lines) + "\n", doc
 
 
@@ -698,6 +803,59 @@ def _llm(ckpt: Path, **kw: Any) -> Any:
     )
 
 
+def _close(llm: Any) -> None:
+    """Stops a tensor-parallel engine's other ranks and frees the GPU (TP=1: frees)."""
+    llm.engine.core.shutdown()
+    _free_gpu()
+
+
+def phase_allreduce(ckpt: Path) -> dict[str, Any]:
+    """TP=2 decode steps (CUDA-graph replays) under torch.profiler on rank 0: the NCCL
+    kernels' time per step against the step's time (each step synchronized)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvscale.server import SamplingParams
+
+    llm = _llm(ckpt, tensor_parallel_size=2)
+    eng = llm.engine
+    res: dict[str, Any] = {}
+    params = SamplingParams(temperature=0, max_tokens=4 * ALLREDUCE_STEPS, ignore_eos=True)
+    for batch in ALLREDUCE_BATCHES:
+        for i, p in enumerate(_prompts(batch, 128, 40 + batch)):
+            eng.add_request(f"ar{batch}-{i}", p, params)
+        for _ in range(4):  # prefill (one 8,192-token step at most), then decode only
+            eng.step()
+        times = []
+        for _ in range(ALLREDUCE_STEPS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(ALLREDUCE_STEPS):
+                eng.step()
+            torch.cuda.synchronize()
+        while eng.has_unfinished_requests():
+            eng.step()
+        kernels = [
+            (e.name, float(e.time_range.elapsed_us()))
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA
+        ]
+        res[str(batch)] = allreduce_share(kernels, ALLREDUCE_STEPS, statistics.median(times))
+        top: dict[str, float] = {}
+        for name, us in kernels:
+            if "nccl" in name.lower():
+                top[name[:80]] = top.get(name[:80], 0.0) + us
+        res[str(batch)]["nccl_kernels_us"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:5])
+        print(f"allreduce batch {batch}: {json.dumps(res[str(batch)])[:300]}", flush=True)
+    _close(llm)
+    return res
+
+
 def phase_ours(ckpt: Path, workloads: str = "CAB", **kw: Any) -> dict[str, Any]:
     from kvscale.bench_serve import make_requests
 
@@ -716,6 +874,7 @@ def phase_ours(ckpt: Path, workloads: str = "CAB", **kw: Any) -> dict[str, Any]:
         lengths = b_lengths()
         reqs = make_requests(lengths, SEED)
         res["B"] = _offline(llm, [r.prompt_token_ids for r in reqs], [o for _, o in lengths])
+    _close(llm)
     del llm
     _free_gpu()
     return res
@@ -906,9 +1065,10 @@ def phase_serve(
     concurrencies: list[int],
     extra: tuple[str, ...] = (),
     tag: str = "kvscale",
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
-    """D on kvscale serve (CUDA graphs on, defaults otherwise; ``extra`` flags added,
-    client results saved as ``serve_<tag>_c<N>.json``)."""
+    """D on kvscale serve (CUDA graphs on, defaults otherwise; ``extra`` flags added;
+    on ``tensor_parallel_size`` GPUs), client results saved as ``serve_<tag>_c<N>.json``."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [
@@ -935,6 +1095,9 @@ def phase_serve(
         "warning",
         *extra,
     ]
+    if tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
+        tag = f"{tag}-tp{tensor_parallel_size}"
 
     def clients() -> dict[str, Any]:
         return {
@@ -1023,6 +1186,7 @@ def run_meta() -> dict[str, Any]:
         "triton": triton.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "gpus": torch.cuda.device_count(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "params": param_counts(LLAMA_31_8B)["total"],
     }
@@ -1115,7 +1279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--phases",
         default="all",
-        help=f"comma list of {', '.join(PHASES)}; or all; ckpt only writes the checkpoint",
+        help=f"comma list of {', '.join(PHASES)}; or all; ckpt only writes the checkpoint; "
+        f"on two GPUs also {', '.join(TP_PHASES)} (not in all)",
     )
     ap.add_argument("--force", action="store_true", help="rerun phases that have results")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
@@ -1124,9 +1289,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     phases = PHASES if args.phases == "all" else tuple(p for p in args.phases.split(",") if p)
-    unknown = set(phases) - {*PHASES, "ckpt"}
+    unknown = set(phases) - {*PHASES, *TP_PHASES, "ckpt"}
     if unknown:
-        ap.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
+        ap.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES + TP_PHASES)}")
     ckpt = Path(args.ckpt)
     conc = [int(c) for c in args.concurrency.split(",")]
     if phases:
@@ -1148,6 +1313,10 @@ def main(argv: list[str] | None = None) -> int:
         "prefix": lambda: phase_prefix(ckpt),
         "fp8": lambda: phase_fp8(ckpt, out),
         "structured": lambda: phase_structured(ckpt),
+        "tp1": lambda: phase_ours(ckpt, "CA"),
+        "tp2": lambda: phase_ours(ckpt, "CA", tensor_parallel_size=2),
+        "serve-tp2": lambda: phase_serve(ckpt, out, conc, tensor_parallel_size=2),
+        "allreduce": lambda: phase_allreduce(ckpt),
     }
     for name in phases:
         path = out / f"phase_{name}.json"

@@ -3,6 +3,10 @@
 # phases in a session of their own (they outlive the device call), results and log in
 # $RES (default /tmp/bench-results); `bench/gpu_bench.sh wait SECONDS` follows the log
 # until the run ends or SECONDS pass, then packs results and logs into $OUT/results.tgz.
+# Two GPUs (tensor parallelism, issue #24):
+#   bench/gpu_bench.sh start ceilings,tp1,tp2,serve,serve-tp2,allreduce --concurrency 64,256 --report
+# NVLink multicast stays off in every process (the engine also forces these in its ranks).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 RES=${RES:-/tmp/bench-results}
 mkdir -p "$RES"
 case "$1" in

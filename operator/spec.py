@@ -447,9 +447,7 @@ def _parse_lifecycle(raw: Mapping[str, Any]) -> LifecycleSpec:
 def _check_combinations(spec: LLMDeploymentSpec) -> None:
     """The cross-field rules that the CRD states as CEL ``x-kubernetes-validations``."""
     eng = spec.engine
-    if eng.device == "cpu":
-        if eng.tensor_parallel_size != 1:
-            raise _err("spec.engine", "tensorParallelSize > 1 needs device cuda")
+    if eng.device == "cpu":  # tensorParallelSize > 1 runs one gloo process per rank
         if eng.quantization not in ("none", "fp8"):
             raise _err("spec.engine", f"quantization {eng.quantization} needs device cuda")
     if eng.kv_cache_dtype != "auto" and eng.quantization in ("awq", "gptq"):

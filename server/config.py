@@ -165,9 +165,18 @@ class EngineConfig:
         not_yet="speculative decoding is not supported yet",
     )
     tensor_parallel_size: int = setting(
-        1, "GPUs one model is sharded over (only 1)", group="features", min=1,
-        not_yet="tensor parallelism is not supported yet (only 1)",
-    )  # fmt: skip
+        1,
+        "ranks one model is sharded over: one process per GPU of this node (NCCL), or "
+        "per CPU process with --device cpu (gloo)",
+        min=1,
+    )
+    watchdog_timeout: float = setting(
+        300.0,
+        "with tensor parallelism: seconds a step may wait on the ranks before the engine "
+        "gives up (a rank that hangs); the server then exits non-zero",
+        min=0.0,
+        min_exclusive=True,
+    )
     # True: step() returns every request's state each step (servers stream it);
     # False: only finished requests, and text is detokenized once at the end.
     stream_outputs: bool = setting(True, "report every step's outputs", cli=False)
@@ -187,6 +196,12 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size}: "
+                "rank r runs on GPU r of those visible; use device 'cuda' (or 'auto') and "
+                "CUDA_VISIBLE_DEVICES to choose the GPUs"
+            )
 
     # ---- the command line -------------------------------------------------------------
     @classmethod
@@ -200,12 +215,19 @@ class EngineConfig:
         return resolve_model_path(self.model)
 
     def torch_device(self) -> torch.device:
-        """The device; ValueError if a GPU was asked for and none is available."""
+        """The device (rank 0's); ValueError if a GPU was asked for and none is available,
+        or if fewer GPUs are visible than ``tensor_parallel_size`` needs."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        elif self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for but no CUDA GPU is available")
-        return torch.device(self.device)
+        else:
+            device = torch.device(self.device)
+        if device.type == "cuda" and self.tensor_parallel_size > 1:
+            from kvscale.server.distributed.group import check_gpus
+
+            check_gpus(self.tensor_parallel_size, torch.cuda.device_count())
+        return device
 
     def torch_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         """ "auto": the checkpoint's dtype on GPU (fp32 checkpoints run in bf16 there);
@@ -253,6 +275,7 @@ class EngineConfig:
         from kvscale.server.worker.kv_calibration import calibration_ids
 
         get_quantization(model, self.quantization)  # refuses formats not implemented
+        check_tensor_parallel(model, self.tensor_parallel_size)
         device = self.torch_device()
         dtype = self.torch_dtype(model, device)
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model, dtype)
@@ -431,6 +454,26 @@ class ModelConfig:
             return cls.from_dict(cfg)
         except KeyError as e:
             raise CheckpointError(f"{cfg_file} lacks the field {e.args[0]!r}") from e
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """ValueError naming the model's dimension that ``tp`` ranks cannot split: attention
+    heads and the MLP's intermediate size must divide by ``tp``; KV heads must divide by
+    ``tp``, or ``tp`` by them (then each KV head is replicated on ``tp / kv_heads`` ranks)."""
+    if tp == 1:
+        return
+    why = None
+    if model.num_heads % tp:
+        why = f"num_attention_heads={model.num_heads} is not divisible by it"
+    elif model.num_kv_heads % tp and tp % model.num_kv_heads:
+        why = (
+            f"num_key_value_heads={model.num_kv_heads} neither divides by it nor divides it "
+            "(KV heads are split over ranks, or replicated when fewer than ranks)"
+        )
+    elif model.intermediate_size % tp:
+        why = f"intermediate_size={model.intermediate_size} is not divisible by it"
+    if why:
+        raise ValueError(f"tensor_parallel_size={tp} cannot shard this model: {why}")
 
 
 def resolve_model_path(model: str) -> str:

@@ -2,7 +2,11 @@
 
 The layers receive a ``ParallelState`` when they are built and shard by its ``rank`` and
 ``world_size``; its collectives are no-ops for a single rank, so the same model code
-runs unsharded. ``SINGLE`` is the one-rank state.
+runs unsharded. ``SINGLE`` is the one-rank state. The collectives are the ones the
+model and the worker need: a sum (row-parallel layers, the vocabulary-parallel
+embedding), a gather along the last dimension (the LM head's logits), a broadcast from
+the driver (the sampled tokens) and a minimum (the KV blocks every rank can hold). On
+CUDA they run on NCCL, inside CUDA graphs too; on the CPU on gloo.
 """
 
 from __future__ import annotations
@@ -12,6 +16,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+VOCAB_PAD = 64  # each rank's share of a padded vocabulary is a multiple of this many rows
+
+
+def padded_vocab_size(vocab_size: int, world_size: int) -> int:
+    """The vocabulary rounded up so that it splits into ``world_size`` equal shares of a
+    multiple of ``VOCAB_PAD`` rows (aligned GEMM tiles); unpadded for one rank."""
+    if world_size == 1:
+        return vocab_size
+    multiple = VOCAB_PAD * world_size
+    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -38,13 +56,30 @@ class ParallelState:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenates each rank's shard of the last dimension, in rank order."""
+    def all_gather_last_dim(self, x: torch.Tensor, valid: list[int] | None = None) -> torch.Tensor:
+        """Concatenates each rank's shard of the last dimension, in rank order, keeping
+        the first ``valid[r]`` columns of rank ``r``'s shard (None: all of them), into
+        one contiguous tensor. One collective (``all_gather_into_tensor``, capturable in
+        a CUDA graph) and one copy."""
         if self.world_size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+            return x if valid is None else x[..., : valid[0]]
+        x = x.contiguous()
+        flat = torch.empty(
+            (self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
+        )
+        _all_gather_single(flat, x, group=self.group)
+        out = flat.view(self.world_size, *x.shape)
+        if valid is None:
+            parts = list(out.unbind(0))
+        else:
+            parts = [out[r, ..., :n] for r, n in enumerate(valid) if n > 0]
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrites ``x`` (contiguous) on every rank with rank ``src``'s; returns it."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
 
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's ``value`` (e.g. the KV blocks all ranks can hold)."""

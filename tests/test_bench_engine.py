@@ -190,3 +190,47 @@ def test_structured_phase_measures_constrained_fractions(
     assert [res[f"constrained_{p}"]["valid_outputs"] for p in (0, 50, 100)] == [0, 2, 4]
     assert res["constrained_0"]["fill_calls"] == 0 and res["constrained_100"]["fill_calls"] > 0
     assert res["constrained_0"]["steps"]["decode_steps"] > 0
+
+
+def test_tp_table_and_the_all_reduce_share() -> None:
+    res = {
+        "tp1": {"latency": {"tpot_ms": 7.0, "ttft_ms": 20.0}, "A": {"output_tok_per_s": 9000.0}},
+        "tp2": {"latency": {"tpot_ms": 4.2, "ttft_ms": 15.0}, "A": {"output_tok_per_s": 13500.0}},
+        "serve": {"64": _serve_result(12.0, 4000.0)},
+        "serve-tp2": {"64": _serve_result(8.0, 6000.0), "256": _serve_result(9.0, 9000.0)},
+        "allreduce": {
+            "1": eb.allreduce_share([("ncclDevKernel_AllReduce", 800.0), ("gemm", 3200.0)], 2, 2.5)
+        },
+    }
+    rows = {(r["workload"], r["metric"]): r for r in eb.tp_rows(res)}
+    c = rows[("C batch-1", "TPOT (ms)")]
+    assert c["ratio"] == pytest.approx(0.6) and c["met"] is True
+    a = rows[("A 256 x 512/256", "output tok/s")]
+    assert a["ratio"] == pytest.approx(1.5) and a["met"] is False
+    assert ("D serve c=256", "output tok/s") not in rows  # no TP=1 run at c=256
+    share = res["allreduce"]["1"]
+    assert share["nccl_ms"] == pytest.approx(0.4) and share["share_of_step"] == pytest.approx(0.16)
+    assert share["share_of_gpu"] == pytest.approx(0.2)
+    text, doc = eb.render_report(res)
+    assert "| C batch-1 | TPOT (ms) | 7.00 | 4.20 | 0.60x | <= 0.62x | yes |" in text
+    assert "| A 256 x 512/256 | output tok/s | 9000.00 | 13500.00 | 1.50x | >= 1.6x | NO |" in text
+    assert "| D serve c=64 | median TPOT (ms) | 12.00 | 8.00 | 0.67x |" in text
+    assert "batch 1: 2.50 ms, NCCL kernels 0.40 ms (16.0% of the step" in text
+    assert len(doc["tp_rows"]) == len(rows)
+
+
+def test_tp2_phase_runs_an_engine_over_two_cpu_ranks(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench's instrumentation (patched launch and result) works through rank 0's
+    driver: the phase the GPU run takes, on two gloo ranks."""
+    from kvscale.server import LLM
+
+    monkeypatch.setattr(eb, "A_SHAPE", (4, 20, 3))
+    monkeypatch.setattr(eb, "C_SHAPE", (12, 4))
+    monkeypatch.setattr(
+        eb, "_llm", lambda ckpt, **kw: LLM(str(ckpt), device="cpu", num_kv_blocks=64, **kw)
+    )
+    res = eb.phase_ours(llama_ckpt, "CA", tensor_parallel_size=2)
+    assert res["A"]["output_tokens"] == 4 * 3 and res["A"]["steps"]["num_steps"] > 0
+    assert res["latency"]["tpot_ms"] > 0

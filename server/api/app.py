@@ -153,7 +153,8 @@ async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) 
         aeng = await _in_daemon_thread(factory)
         aeng.max_queue_len = settings.max_queue_len
         aeng.stall_timeout = settings.engine_stall_timeout
-        aeng.on_dead = lambda code: _engine_died(state, code)
+        # an engine that dies (its process, or a tensor-parallel rank) exits the server
+        aeng.on_dead = lambda reason: _engine_died(state, reason)
         info = await aeng.start()
         log.info(
             "[2/3] model loaded in %.1fs: %s on %s, %s, max_model_len %d, KV cache %d blocks "
@@ -193,12 +194,12 @@ async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) 
         lc.fail(f"{type(e).__name__}: {e}")
 
 
-def _engine_died(state: ServerState, exit_code: int | None) -> None:
-    """The engine process is gone: its requests already failed with an error; exit
-    non-zero now, so Kubernetes restarts the pod (instead of a live process serving
-    nothing and reporting its last gauges)."""
+def _engine_died(state: ServerState, reason: str) -> None:
+    """The engine is gone: its requests already failed with an error; exit non-zero
+    now, so Kubernetes restarts the pod (instead of a live process serving nothing and
+    reporting its last gauges)."""
     state.metrics.bind_stats(lambda: None)  # no ghost gauges until the process is gone
-    state.lifecycle.fail(f"the engine process died (exit code {exit_code})")
+    state.lifecycle.fail(f"the engine failed: {reason}")
 
 
 async def _watchdog(state: ServerState) -> None:

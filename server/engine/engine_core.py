@@ -29,11 +29,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvscale.server.config import ResolvedConfig
+from kvscale.server.distributed import make_worker
 from kvscale.server.engine.block_manager import BlockManager
 from kvscale.server.engine.core_outputs import EngineStats, SeqUpdate
 from kvscale.server.engine.request import Request
@@ -63,12 +65,19 @@ class EngineCore:
     """Not thread-safe: one loop drives it. Requests reach it validated
     (``request.validate_request``, at the engine's edge)."""
 
-    def __init__(self, config: ResolvedConfig, worker: Worker | None = None) -> None:
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        worker: Worker | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        """``worker``: default one for ``config`` (all its tensor-parallel ranks);
+        ``on_failure(reason)``: called if a tensor-parallel rank fails."""
         self.config = config
         eng = config.engine
         self.max_model_len = config.max_model_len
         self.eos_token_ids = set(config.eos_token_ids)
-        self.worker = worker if worker is not None else Worker(config)
+        self.worker = worker if worker is not None else make_worker(config, on_failure)
         self.device = self.worker.device
         self.dtype = self.worker.dtype
         self.vocab_size = config.model.vocab_size
@@ -76,6 +85,7 @@ class EngineCore:
             self.worker.num_kv_blocks, eng.block_size, eng.enable_prefix_caching
         )
         if self.block_manager.blocks_for(self.max_model_len) > self.block_manager.num_blocks:
+            self.shutdown()  # no tensor-parallel rank outlives a core that cannot start
             capacity = self.block_manager.num_blocks * eng.block_size
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({self.block_manager.num_blocks} blocks of "
@@ -194,6 +204,12 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return bool(self.requests) or self._inflight is not None
+
+    def shutdown(self) -> None:
+        """Stops the worker's other tensor-parallel ranks (none for one rank)."""
+        stop = getattr(self.worker, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ---- one step ------------------------------------------------------------------
     def step(self) -> list[SeqUpdate]:

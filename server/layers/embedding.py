@@ -1,4 +1,11 @@
-"""Vocabulary-parallel embedding and LM head (rank r holds a contiguous vocab range)."""
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is padded (``padded_vocab_size``: to equal shares of a multiple of 64 rows
+per rank, unpadded for one rank) and rank r holds the contiguous rows
+``[r * per_rank, (r + 1) * per_rank)``; rows past the real vocabulary are zeros. The
+embedding looks up the ids of its range and sums over ranks; the LM head computes its
+range's logits and gathers them, dropping the padding, so padded ids are never sampled.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvscale.server.parallel import ParallelState
+from kvscale.server.parallel import ParallelState, padded_vocab_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,22 +24,28 @@ class VocabParallelEmbedding(nn.Module):
         tp = parallel.world_size
         self.parallel = parallel
         self.num_embeddings = num_embeddings
-        self.per_rank = (num_embeddings + tp - 1) // tp
-        self.vocab_start = parallel.rank * self.per_rank
+        self.per_rank = padded_vocab_size(num_embeddings, tp) // tp
+        self.vocab_start = min(parallel.rank * self.per_rank, num_embeddings)
         self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
+        # real (unpadded) rows each rank holds, in rank order
+        self.valid_per_rank = [
+            max(0, min(self.per_rank, num_embeddings - r * self.per_rank)) for r in range(tp)
+        ]
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
     ) -> None:
-        if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
+        """Copies rows ``[vocab_start, vocab_end)`` of the checkpoint's ``[vocab, dim]``
+        (only those are read from the file); the padding rows are zeroed."""
+        if tuple(loaded.shape) != (self.num_embeddings, param.shape[1]):
             raise ValueError(
                 f"embedding shape {tuple(loaded.shape)} does not match "
                 f"({self.num_embeddings}, {param.shape[1]})"
             )
         n = self.vocab_end - self.vocab_start
-        param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data[:n].copy_(loaded.narrow(0, self.vocab_start, n))
         param.data[n:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -45,9 +58,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states ``[N, dim]`` -> logits ``[N, vocab]`` (gathered over ranks)."""
+    """Hidden states ``[N, dim]`` -> logits ``[N, vocab]`` (gathered over ranks, padding
+    dropped)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
-        logits = self.parallel.all_gather_last_dim(logits)
-        return logits[..., : self.num_embeddings]
+        if self.parallel.world_size == 1:
+            return logits[..., : self.num_embeddings]
+        return self.parallel.all_gather_last_dim(logits, self.valid_per_rank)

@@ -12,7 +12,10 @@ the HTTP layer nor detokenization runs in the engine's interpreter, so they neve
 stall the engine loop, and the event loop never waits on model compute.
 
 A step that raises in the engine fails the requests in flight (they get an
-``EngineStepError``) and the engine keeps serving. Closing a ``RequestGroup`` before its
+``EngineStepError``) and the engine keeps serving. An engine that dies (its process
+exits, or it reports ``Fatal``: a tensor-parallel rank died or hangs) fails every
+request with an ``EngineDeadError`` carrying the reason and calls ``on_dead(reason)``
+(the server then exits non-zero). Closing a ``RequestGroup`` before its
 requests finish (a client that disconnected) aborts them in the engine, which frees
 their KV blocks.
 """
@@ -44,6 +47,7 @@ from kvscale.server.process.messages import (
     AbortRequest,
     AddRequest,
     Command,
+    Fatal,
     FinishSequence,
     Idle,
     LoadFailed,
@@ -197,7 +201,6 @@ class AsyncEngine:
         self.observer = observer
         self.log_level = log_level
         self.stall_timeout = stall_timeout  # seconds without a word from the engine
-        self.on_dead: Callable[[int | None], None] | None = None  # the process exited (code)
         self.stalled = False
         self._closing: str | None = None  # why new requests are refused (shutting down)
         self._text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="kvscale-text")
@@ -218,6 +221,10 @@ class AsyncEngine:
         self._first: asyncio.Future[Report | None] | None = None
         self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._running = False
+        # called on the event loop, once, when a started engine dies (with the reason:
+        # its process exited, or it reported a rank's failure)
+        self.on_dead: Callable[[str], None] | None = None
+        self.fatal_reason: str | None = None
 
     # ---- read-only helpers ----------------------------------------------------------------
     @property
@@ -274,7 +281,7 @@ class AsyncEngine:
             raise
         if not isinstance(msg, Ready):
             self.shutdown(timeout=1.0)
-            raise RuntimeError(msg.message if isinstance(msg, LoadFailed) else repr(msg))
+            raise RuntimeError(msg.message if isinstance(msg, LoadFailed | Fatal) else repr(msg))
         self.info = msg.info
         self._stats = msg.stats
         self.heartbeat = time.monotonic()
@@ -478,6 +485,9 @@ class AsyncEngine:
                 self._fail(rids, EngineStepError(message))
             case Refused(rid, message):
                 self._fail([rid], EngineStepError(f"cannot queue request: {message}"))
+            case Fatal(message):
+                log.error("the engine failed: %s", message)
+                self._on_engine_dead(message)
             case _:
                 log.error("unexpected message from the engine process: %r", msg)
 
@@ -506,11 +516,14 @@ class AsyncEngine:
                     self.observer.on_abort(rid)
         self._deliver([(rid, error) for rid in rids])
 
-    def _on_engine_dead(self, unexpected: bool) -> None:
-        self._running = False
-        self._fail(list(self.processor.requests), EngineDeadError("the engine stopped"))
-        if unexpected and self.on_dead is not None:
-            self.on_dead(self._proc.exitcode if self._proc is not None else None)
+    def _on_engine_dead(self, reason: str | None = None) -> None:
+        was_running, self._running = self._running, False
+        if reason is not None and self.fatal_reason is None:
+            self.fatal_reason = reason
+        message = f"the engine stopped: {self.fatal_reason}" if self.fatal_reason else None
+        self._fail(list(self.processor.requests), EngineDeadError(message or "the engine stopped"))
+        if was_running and self.fatal_reason and self.on_dead is not None:
+            self.on_dead(self.fatal_reason)
 
     # ---- the pipes ---------------------------------------------------------------------
     def _on_pipe_closed(self) -> None:
@@ -518,11 +531,12 @@ class AsyncEngine:
         if self._first is not None and not self._first.done():
             self._first.set_result(None)
             return
-        unexpected = self._running
-        if unexpected:
-            self._proc.join(1.0)  # reap it, for its exit code (it is gone or going)
-            log.error("the engine process stopped (exit code %s)", self._proc.exitcode)
-        self._on_engine_dead(unexpected)
+        reason = None
+        if self._running:
+            self._proc.join(1.0)  # it closed its pipe by exiting: learn how
+            reason = f"the engine process exited unexpectedly (exit code {self._proc.exitcode})"
+            log.error("%s", reason)
+        self._on_engine_dead(reason)
 
     def _send_loop(self) -> None:
         """The sender thread: writes queued commands (blocking) until ``None``."""

@@ -11,15 +11,19 @@ then ``StepDone`` after every step, ``Idle`` about once a second when idle,
 ``AddRequest`` the engine could not queue.
 
 The process ignores SIGINT and SIGTERM (the API process drains, then stops it) and dies
-with its parent (``PR_SET_PDEATHSIG`` on Linux; a closed pipe elsewhere).
+with its parent (``PR_SET_PDEATHSIG`` on Linux; a closed pipe elsewhere). With tensor
+parallelism it is rank 0 and starts the other ranks; when one of them dies or hangs it
+sends ``Fatal`` with the reason and exits with ``FATAL_EXIT_CODE``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -30,6 +34,7 @@ from kvscale.server.process.messages import (
     AbortRequest,
     AddRequest,
     Command,
+    Fatal,
     FinishSequence,
     Idle,
     LoadFailed,
@@ -45,6 +50,8 @@ from kvscale.server.process.messages import (
 log = logging.getLogger("kvscale.engine")
 
 IDLE_WAIT_S = 1.0  # an idle engine reports its stats (its heartbeat) this often (seconds)
+FATAL_EXIT_CODE = 3  # the engine failed for good (a tensor-parallel rank died or hangs)
+_send_lock = threading.Lock()  # whole frames on the report pipe: the loop and a monitor write
 
 
 class CoreLoop:
@@ -87,7 +94,8 @@ class CoreLoop:
         return n
 
     def _send(self, msg: Report) -> None:
-        write_message(self.out_fd, msg)
+        with _send_lock:
+            write_message(self.out_fd, msg)
 
     def _handle(self, msg: Command) -> None:
         match msg:
@@ -151,8 +159,21 @@ def run_engine_process(
         stream=sys.stderr,
     )
     out_fd = out.fileno()
+
+    def fatal(reason: str) -> None:
+        """A tensor-parallel rank failed (called from the monitor thread or the loop):
+        report it if the pipe can take it, then exit at once; the other ranks are gone."""
+        log.error("engine failed: %s", reason)
+        if _send_lock.acquire(timeout=5.0):
+            try:
+                write_message(out_fd, Fatal(reason))
+            except OSError:
+                pass
+        sys.stderr.flush()
+        os._exit(FATAL_EXIT_CODE)
+
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, on_failure=fatal)
     except BaseException as e:
         try:
             write_message(out_fd, LoadFailed(f"{type(e).__name__}: {e}"))
@@ -166,8 +187,21 @@ def run_engine_process(
         "num_kv_blocks": core.block_manager.num_blocks,
         "block_size": config.engine.block_size,
     }
+    if config.engine.tensor_parallel_size > 1:
+        info["tensor_parallel_size"] = config.engine.tensor_parallel_size
     try:
-        write_message(out_fd, Ready(info, core.stats()))
+        with _send_lock:
+            write_message(out_fd, Ready(info, core.stats()))
     except OSError:
+        _stop(core)
         return
-    CoreLoop(core, conn, out_fd).run()
+    try:
+        CoreLoop(core, conn, out_fd).run()
+    finally:
+        _stop(core)
+
+
+def _stop(core: EngineCore) -> None:
+    stop = getattr(core, "shutdown", None)  # stops the other tensor-parallel ranks
+    if stop is not None:
+        stop()

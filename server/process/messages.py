@@ -89,6 +89,15 @@ class Idle:
 
 
 @dataclass(frozen=True, slots=True)
+class Fatal:
+    """The engine cannot go on (a tensor-parallel rank died or hangs); the process exits
+    non-zero right after sending it. Sent instead of ``Ready`` when it happens while
+    loading."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepFailed:
     """A step raised; these requests were dropped."""
 
@@ -104,12 +113,13 @@ class Refused:
     message: str
 
 
-Report = Ready | LoadFailed | StepDone | Idle | StepFailed | Refused
+Report = Ready | LoadFailed | StepDone | Idle | StepFailed | Refused | Fatal
 
 __all__ = [
     "AbortRequest",
     "AddRequest",
     "Command",
+    "Fatal",
     "FinishSequence",
     "Idle",
     "LoadFailed",

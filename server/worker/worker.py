@@ -8,6 +8,10 @@ all without waiting for the GPU; the returned ``PendingStep`` waits only when it
 ``result()`` is read. So the driver can prepare and launch step N+1 while the GPU still
 runs step N: step N+1 may feed tokens sampled in step N as placeholders, which the
 device resolves from ``last_tokens``.
+
+With tensor parallelism every rank runs a ``Worker`` on its shard (``ParallelState``)
+and launches the same steps; rank 0 samples and broadcasts the sampled tokens, which
+the other ranks store in their own ``last_tokens``.
 """
 
 from __future__ import annotations
@@ -303,6 +307,12 @@ class Worker:
         (int32 ``[R, ceil(V / 32)]``, one row per ``grammar_rows`` entry): the tokens a
         grammar allows each constrained row (bit t % 32 of word t // 32)."""
         plan = fwd.step.sampling
+        if not self.parallel.is_driver:
+            # Rank 0 samples; the other ranks keep its tokens for the next step's
+            # placeholders (one small broadcast, instead of sampling in lockstep).
+            if plan.num_rows:
+                self.parallel.broadcast(self.last_tokens[: plan.num_rows])
+            return PendingStep(None, None, [])
         host_plp = None
         if fwd.prompt_logprobs is not None:
             host_plp = tuple(_to_host(x) for x in fwd.prompt_logprobs)
@@ -393,6 +403,7 @@ class Worker:
         generators = seeded_generators(plan.seeds, self.device) if not plan.all_greedy else []
         tokens = sample(logits, t, generators, self.generator, prompt_mask, counts)
         self.last_tokens[: plan.num_rows].copy_(tokens)
+        self.parallel.broadcast(self.last_tokens[: plan.num_rows])  # to the other ranks
         host_lp = None
         if raw is not None:
             k = max(k or 0 for k in want_lp)

@@ -91,6 +91,7 @@ VALID = [
     {"engine": {"quantization": "awq"}, "model": {"source": "hf://a/b", "dtype": "float16"}},
     {"engine": {"device": "cpu"}},
     {"engine": {"device": "cpu", "quantization": "fp8", "kvCacheDtype": "fp8"}},
+    {"engine": {"device": "cpu", "tensorParallelSize": 2}},  # gloo ranks, as the server runs
     {"speculative": {"draftModel": {"source": "hf://a/small"}, "numSpeculativeTokens": 4}},
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
     {"engine": {"extraArgs": ["--enforce-eager", "--seed", "3"]}},

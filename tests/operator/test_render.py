@@ -147,6 +147,21 @@ def test_cpu_demo_needs_no_gpu(make_llmd: MakeLLMD) -> None:
     assert "--gpu-memory-utilization" not in server["args"]
 
 
+def test_cpu_tensor_parallel_renders_what_the_server_accepts(make_llmd: MakeLLMD) -> None:
+    from kvscale.server.api.launcher import check_flags
+
+    spec = {
+        "model": {"source": "builtin://demo"},
+        "engine": {"device": "cpu", "tensorParallelSize": 2},
+    }
+    _, _, objs = _render(make_llmd, spec)
+    server = _container(_pod(objs))
+    assert c.GPU_RESOURCE not in str(server["resources"])
+    assert _flag(server["args"], "--tensor-parallel-size") == "2"
+    cfg = check_flags(build_parser().parse_args(server["args"]))  # gloo ranks on the CPU
+    assert (cfg.tensor_parallel_size, cfg.device) == (2, "cpu")
+
+
 def test_probes_drain_and_security(make_llmd: MakeLLMD) -> None:
     spec = {
         "model": {"source": "hf://a/b"},

@@ -88,11 +88,6 @@ def test_sources(source: str, scheme: str, name: str) -> None:
             "float16",
         ),
         (
-            {"model": {"source": "hf://a/b"}, "engine": {"device": "cpu", "tensorParallelSize": 2}},
-            "spec.engine",
-            "needs device cuda",
-        ),
-        (
             {"model": {"source": "hf://a/b"}, "engine": {"extraArgs": ["--port", "9000"]}},
             "extraArgs",
             "could set --port, which the operator sets",

@@ -123,12 +123,15 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
 
 def test_a_killed_engine_process_fails_requests_in_flight(llama_ckpt: Path) -> None:
     async def body(aeng: AsyncEngine) -> None:
+        reasons: list[str] = []
+        aeng.on_dead = reasons.append  # the server exits non-zero with it
         params = SamplingParams(max_tokens=400, ignore_eos=True)
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match="exit code -9"):
             async for out in aeng.generate("victim", PROMPT, params):
                 if len(out.outputs[0].token_ids) == 2:
                     os.kill(aeng._proc.pid, signal.SIGKILL)
         assert not aeng.is_alive()
+        assert reasons == ["the engine process exited unexpectedly (exit code -9)"]
         with pytest.raises(EngineDeadError):
             aeng.submit([EngineRequest("late", PROMPT, params)])
 

@@ -20,7 +20,7 @@ SERVE_FLAGS = [
     "--seed", "--host", "--port", "--api-key", "--max-queue-len", "--drain-timeout",
     "--no-warmup", "--log-level", "--disable-access-log", "--enable-prefix-caching",
     "--quantization", "--speculative-model", "--num-speculative-tokens",
-    "--tensor-parallel-size", "--kv-cache-dtype",
+    "--tensor-parallel-size", "--kv-cache-dtype", "--watchdog-timeout",
 ]  # fmt: skip
 BENCH_FLAGS = [
     "--base-url", "--model", "--api-key", "--dataset", "--num-prompts", "--request-rate",
@@ -56,7 +56,9 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--quantization", "int4"], "quantization must be one of"),
         (["--speculative-model", "/m"], "speculative decoding is not supported yet"),
         (["--num-speculative-tokens", "4"], "speculative decoding is not supported yet"),
-        (["--tensor-parallel-size", "2"], "tensor parallelism is not supported yet"),
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
+        (["--tensor-parallel-size", "2", "--device", "cuda:1"], "rank r runs on GPU r"),
+        (["--watchdog-timeout", "0"], "watchdog_timeout must be"),
         (["--kv-cache-dtype", "fp8_e5m2"], "kv_cache_dtype must be one of"),
         (["--block-size", "7"], "block_size must be one of"),
         (["--max-queue-len", "0"], "--max-queue-len must be >= 1"),
