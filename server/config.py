@@ -166,8 +166,9 @@ class EngineConfig:
     )
     piecewise_capture_sizes: str | None = setting(
         None,
-        "comma-separated token counts captured as piecewise graphs (default: 8, 16, ... "
-        "up to --piecewise-max-tokens, about 12%% apart); a step pads to the next one",
+        "comma-separated token counts captured as piecewise graphs (default: every 8 "
+        "tokens up to 64, 16 up to 128, 32 up to --piecewise-max-tokens); a step pads to "
+        "the next one",
         group="compilation",
     )
     piecewise_compiler: str = setting(

@@ -47,7 +47,10 @@ def test_default_capture_sizes_are_buckets_about_12_percent_apart() -> None:
     assert sizes[:8] == [8, 16, 24, 32, 40, 48, 56, 64]
     assert sizes[-1] == 1024 and sizes == sorted(set(sizes))
     gaps = [(b - a) / a for a, b in itertools.pairwise(sizes[8:])]
-    assert max(gaps) <= 0.25 and len(sizes) == 24  # at most 25% padding past 64 tokens
+    assert max(gaps) <= 0.25 and len(sizes) == 40  # at most 25% padding past 64 tokens
+    # compute-bound sizes (an 8B model past ~256 tokens) pad by at most 32 tokens
+    assert all(b - a == 32 for a, b in itertools.pairwise(sizes[sizes.index(256) :]))
+    assert default_capture_sizes(2048)[40:42] == [1088, 1152]
     assert default_capture_sizes(100)[-1] == 100
     assert default_capture_sizes(3000)[-1] == 3000
     assert default_capture_sizes(0) == []
@@ -63,7 +66,7 @@ def test_buckets_and_dispatch_are_general_over_token_counts() -> None:
     d = GraphDispatcher(decode_sizes=(1, 2, 4, 8), token_sizes=tuple(default_capture_sizes(1024)))
     assert d.decode_size(3) == 4 and d.decode_size(9) == 0
     assert d.dispatch(4, decode_graph_size=4) == Dispatch("full", 4)
-    assert d.dispatch(64 + 490) == Dispatch("piecewise", 640)  # a prompt joins 64 decodes
+    assert d.dispatch(64 + 490) == Dispatch("piecewise", 576)  # a prompt joins 64 decodes
     # a speculative verify step, k = 3 drafts for 37 sequences: 148 tokens
     assert d.dispatch(37 * (3 + 1)) == Dispatch("piecewise", 160)
     assert d.dispatch(300) == Dispatch("piecewise", 320)  # decode above the decode graphs

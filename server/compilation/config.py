@@ -19,22 +19,35 @@ if TYPE_CHECKING:
 CUDA_GRAPH_MODES = ("full_and_piecewise", "full_decode_only", "piecewise", "none")
 PIECE_COMPILERS = ("inductor", "eager")
 DEFAULT_SPLIT_OPS = ("kvscale::paged_attention",)
-# Above ~1k tokens a mixed step of an 8B model is bound by its GEMMs, not by launching
-# kernels from Python, so graphs stop paying there (bench/NOTES.md e5 and e7).
+# A mixed step of an 8B model takes ~15 ms to launch from Python (bench/NOTES.md e5); past
+# ~1k tokens its GEMMs take longer than that, the launch hides behind them and graphs stop
+# paying while padding still costs (predictions in bench/NOTES.md e7).
 DEFAULT_PIECEWISE_MAX_TOKENS = 1024
 
 
+def capture_step(size: int) -> int:
+    """The gap after ``size`` in the default buckets: 8 below 64 tokens, 16 below 128,
+    32 below 1024 (where an 8B model's mixed steps turn compute-bound, so padding costs
+    GPU time: at most ~12% and 3% at 1024), then a sixteenth of the size's power of two."""
+    if size < 64:
+        return 8
+    if size < 128:
+        return 16
+    if size < 1024:
+        return 32
+    return (1 << (size.bit_length() - 1)) // 16
+
+
 def default_capture_sizes(max_tokens: int) -> list[int]:
-    """Token buckets about 12% apart: every 8 up to 64, 16 up to 128, 32 up to 256,
-    64 up to 512, then every 128; ``max_tokens`` itself is always included (if >= 1)."""
+    """Token buckets from 8 up to ``max_tokens`` (always included when >= 1), spaced by
+    ``capture_step``: 8, 16, ..., 64, 80, ..., 128, 160, ..., 1024 (40 sizes), 1088, ..."""
     if max_tokens < 1:
         return []
-    sizes: list[int] = []
-    prev = 0
-    for step, stop in ((8, 64), (16, 128), (32, 256), (64, 512), (128, max(max_tokens, 512))):
-        sizes += range(prev + step, stop + 1, step)
-        prev = stop
-    sizes = [s for s in sizes if s < max_tokens]
+    sizes = []
+    size = 8
+    while size < max_tokens:
+        sizes.append(size)
+        size += capture_step(size)
     return [*sizes, max_tokens]
 
 
