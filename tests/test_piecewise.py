@@ -329,3 +329,23 @@ def test_modes_without_piecewise_graphs_build_none(llama_ckpt: Path) -> None:
         w = llm.engine.worker
         assert w.piecewise is None and w.graphs is None  # and no decode graphs on CPU
         assert w.dispatcher.dispatch(16) == Dispatch("eager", 0)
+
+
+def test_a_model_that_cannot_be_split_runs_without_piecewise_graphs(
+    llama_ckpt: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No split op in the traced graph (attention would be captured): a warning with the
+    reason, and the engine serves as without piecewise graphs."""
+    with caplog.at_level("WARNING", logger="kvscale.server.worker.worker"):
+        llm = LLM(
+            str(llama_ckpt),
+            piecewise_compiler="eager",
+            piecewise_split_ops="kvscale::no_such_op",
+            **PIECEWISE,
+            **STRESS,
+        )
+    w = llm.engine.worker
+    assert w.piecewise is None and w.dispatcher.dispatch(16) == Dispatch("eager", 0)
+    assert "piecewise CUDA graphs are off" in caplog.text
+    assert "no split op (kvscale::no_such_op) was found" in caplog.text
+    assert all(len(t) == 10 for t in _tokens(llm, PROMPTS[:3]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -152,24 +153,7 @@ class Worker:
         compilation = CompilationConfig.from_engine(eng)
         self.piecewise: PiecewiseGraphs | None = None
         if piecewise and compilation.capture_sizes:
-            self.piecewise = PiecewiseGraphs(
-                self.model,
-                self.backend,
-                compilation,
-                eng.max_num_seqs,
-                max_blocks,
-                eng.block_size,
-                self.last_tokens,
-                pool,
-            )
-            ops.use_kernels(False)  # trace the references: Inductor fuses them itself
-            try:
-                self.piecewise.compile()
-            finally:
-                ops.use_kernels(use_kernels)  # the uncompiled model keeps the kernels
-            if eng.compile:  # decode graphs and eager steps run the compiled pieces too
-                self.model.model = self.piecewise.compiled
-            self.piecewise.capture()
+            self.piecewise = self._piecewise(compilation, max_blocks, pool, use_kernels)
         self.graphs: DecodeGraphs | None = None
         max_batch = min(eng.cuda_graph_max_batch, eng.max_num_seqs)
         use_graphs = device.type == "cuda" and self.backend.name == "triton"
@@ -188,6 +172,46 @@ class Worker:
             tuple(self.graphs.batch_sizes) if self.graphs else (),
             compilation.capture_sizes if self.piecewise else (),
         )
+
+    def _piecewise(
+        self, compilation: CompilationConfig, max_blocks: int, pool: Any, use_kernels: bool
+    ) -> PiecewiseGraphs | None:
+        """The compiled and captured pieces; None (with a warning saying why) if the model
+        cannot be compiled or captured this way: the engine then runs as without them."""
+        eng = self.config.engine
+        pw = PiecewiseGraphs(
+            self.model,
+            self.backend,
+            compilation,
+            eng.max_num_seqs,
+            max_blocks,
+            eng.block_size,
+            self.last_tokens,
+            pool,
+        )
+        try:
+            ops.use_kernels(False)  # trace the references: Inductor fuses them itself
+            try:
+                pw.compile()
+            finally:
+                ops.use_kernels(use_kernels)  # the uncompiled model keeps the kernels
+            pw.capture()
+        except Exception as e:
+            log.warning(
+                "piecewise CUDA graphs are off: compiling or capturing the model failed "
+                "(%s: %s); mixed steps run eagerly. --cuda-graph-mode full_decode_only "
+                "skips the attempt; --compile-debug and TORCH_LOGS=+dynamo say more",
+                type(e).__name__,
+                e,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            return None
+        if eng.compile:  # decode graphs and eager steps run the compiled pieces too
+            self.model.model = pw.compiled
+        return pw
 
     # ---- KV pool -------------------------------------------------------------------
     @property
