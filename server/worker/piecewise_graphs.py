@@ -145,6 +145,7 @@ class PiecewiseGraphs:
         with torch.cuda.stream(stream):
             for b in reversed(self.sizes):
                 self._forward(b, b)  # compiles kernels (and static-shape pieces) first
+                torch.cuda.synchronize(self.device)  # as torch.cuda.graph does, per bucket
                 self._forward(b, b, graphs=True, capture=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
