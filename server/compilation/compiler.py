@@ -96,6 +96,14 @@ def fingerprint_text(
     symbols: dict[str, str] = {}
     lines += [_input_text(x, symbols) for x in example_inputs]
     lines.append(f"shape={runtime_shape} compiler={compiler} torch={torch.__version__}")
+    cuda = {x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.is_cuda}
+    for device in sorted(cuda, key=str):  # compiled kernels are for one GPU architecture
+        import triton
+
+        cap = torch.cuda.get_device_capability(device)
+        lines.append(
+            f"{torch.cuda.get_device_name(device)} sm_{cap[0]}{cap[1]} {triton.__version__}"
+        )
     if compiler == "inductor":
         from torch._inductor.codecache import torch_key
 

@@ -67,19 +67,17 @@ def _run(path: Path, dtype: str, **kw: Any) -> tuple[list[list[int]], LLM, list[
 
 
 @pytest.mark.parametrize(
-    ("mode", "compiler", "compile_sizes"),
+    ("mode", "extra"),
     [
-        ("full_and_piecewise", "inductor", None),
-        ("piecewise", "inductor", "16"),
-        ("piecewise", "eager", None),
+        ("full_and_piecewise", {}),
+        # decode graphs and eager steps through the compiled pieces (1..16 tokens too)
+        ("full_and_piecewise", {"compile": True}),
+        ("piecewise", {"piecewise_compile_sizes": "16"}),
+        ("piecewise", {"piecewise_compiler": "eager"}),
     ],
 )
 def test_piecewise_graphs_match_eager_fp32(
-    checkpoint_factory: Callable[..., Path],
-    tmp_path: Path,
-    mode: str,
-    compiler: str,
-    compile_sizes: str | None,
+    checkpoint_factory: Callable[..., Path], tmp_path: Path, mode: str, extra: dict[str, Any]
 ) -> None:
     """Mixed steps replayed from piecewise graphs (padded to buckets) give the eager
     tokens, token for token, under chunked prefill and preemption."""
@@ -89,9 +87,8 @@ def test_piecewise_graphs_match_eager_fp32(
         path,
         "float32",
         cuda_graph_mode=mode,
-        piecewise_compiler=compiler,
-        piecewise_compile_sizes=compile_sizes,
         compile_cache_dir=str(tmp_path),
+        **extra,
         **PIECEWISE,
         **STRESS,
     )
