@@ -23,12 +23,31 @@ from kvscale.server.compilation.compiler import PieceCompiler
 from kvscale.server.compilation.weak_ref import weak_refs
 
 
+class CudaGraph:
+    """One CUDA graph captured into the shared pool (``pool``: a graph pool handle)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """Captures ``fn()`` on the current stream, which must not be the default one."""
+        self.graph.capture_begin(pool=self.pool)
+        try:
+            return fn()
+        finally:
+            self.graph.capture_end()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 @dataclass
 class _Entry:
     """One bucket of one piece."""
 
     runnable: Callable[..., Any] | None = None
-    graph: Any = None  # torch.cuda.CUDAGraph
+    graph: Any = None  # a CudaGraph (or what ``graph_factory`` makes)
     output: Any = None  # views of the graph's outputs (not owning them)
     input_addresses: list[int] = field(default_factory=list)
 
@@ -60,6 +79,8 @@ class CapturedPiece:
         self.pool = pool  # the CUDA graphs' shared memory pool (None: never captured)
         self.debug = debug
         self.entries: dict[int, _Entry] = {}
+        # makes the graph of a capture; tests swap in one that records and re-runs
+        self.graph_factory: Callable[[], Any] = lambda: CudaGraph(self.pool)
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -97,20 +118,17 @@ class CapturedPiece:
 
     def _capture(self, entry: _Entry, args: tuple[Any, ...]) -> Any:
         """Captures ``entry.runnable`` on the current (side) stream into the pool."""
-        assert entry.runnable is not None
-        graph = torch.cuda.CUDAGraph()
+        runnable = entry.runnable
+        assert runnable is not None
+        graph = self.graph_factory()
         entry.input_addresses = _addresses(args)
-        graph.capture_begin(pool=self.pool)
-        try:
-            out = entry.runnable(*args)
-            if self.is_last:
-                # Nothing captured later reads the last output: let its memory go back to
-                # the pool now (the step reads it right after the replay).
-                out = weak_refs(out)
-        finally:
-            graph.capture_end()
+        out = graph.capture(lambda: runnable(*args))
         entry.output = weak_refs(out)
         entry.graph = graph
-        # Return the owning tensors: they keep the memory allocated until the pieces
-        # still to be captured in this forward have read them.
+        if self.is_last:
+            # Nothing captured later reads the last output: its memory goes back to the
+            # pool now (a step reads it right after the replay, before any other replay).
+            return entry.output
+        # The owning tensors keep the memory allocated until the pieces still to be
+        # captured in this forward have read them; then the pool may reuse it.
         return out

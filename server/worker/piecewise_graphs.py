@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -143,10 +144,7 @@ class PiecewiseGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for b in reversed(self.sizes):
-                self._forward(b, b)  # compiles kernels (and static-shape pieces) first
-                torch.cuda.synchronize(self.device)  # as torch.cuda.graph does, per bucket
-                self._forward(b, b, graphs=True, capture=True)
+            self.capture_all(torch.cuda.synchronize)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
@@ -158,6 +156,14 @@ class PiecewiseGraphs:
             len(self.compile_backend.pieces),
             self.capture_seconds,
         )
+
+    def capture_all(self, sync: Callable[[], None] = lambda: None) -> None:
+        """Each bucket, largest first: a warm-up forward (compiling kernels, and the
+        static-shape pieces of ``compile_sizes``), ``sync()``, then a capturing one."""
+        for b in reversed(self.sizes):
+            self._forward(b, b)
+            sync()  # as torch.cuda.graph does before capturing
+            self._forward(b, b, graphs=True, capture=True)
 
     # ---- one step -----------------------------------------------------------------------
     def run(self, step: StepInput, dev: dict[str, torch.Tensor], bucket: int) -> torch.Tensor:
