@@ -365,10 +365,12 @@ def test_steps_replayed_from_fixed_inputs_match_eager(
 ) -> None:
     """Capture and replay emulated on CPU: every bucket captured (largest first), then
     every mixed step replays pieces that read only what their capture saw, with the
-    debug check that inputs never moved."""
+    debug check that inputs never moved. Also the eager piece compiler, and --compile
+    routing the steps above the buckets through the same compiled model."""
     llm = LLM(
         str(ckpt3),
         piecewise_compiler="eager",
+        compile=True,
         compile_debug=True,
         compile_cache_dir=str(tmp_path),
         **PIECEWISE,
@@ -376,7 +378,7 @@ def test_steps_replayed_from_fixed_inputs_match_eager(
     )
     w = llm.engine.worker
     pw = w.piecewise
-    assert pw is not None and not pw.use_graphs
+    assert pw is not None and not pw.use_graphs and w.model.model is pw.compiled
     assert (tmp_path / "split_graph.py").is_file()
     pieces = pw.compile_backend.pieces
     for piece in pieces:
@@ -399,17 +401,6 @@ def test_steps_replayed_from_fixed_inputs_match_eager(
     finally:
         _ReplayingGraph.replay = replay  # type: ignore[method-assign]
     assert replays > 0 and replays % len(pieces) == 0
-
-
-def test_eager_pieces_match_eager_also_when_compiling_decode_steps(
-    ckpt3: Path, eager_tokens: list[list[int]]
-) -> None:
-    """The eager piece compiler, and --compile routing the steps above the buckets
-    through the same compiled model (its dynamic-shape pieces)."""
-    llm = LLM(str(ckpt3), piecewise_compiler="eager", compile=True, **PIECEWISE, **STRESS)
-    w = llm.engine.worker
-    assert w.piecewise is not None and w.model.model is w.piecewise.compiled
-    assert _tokens(llm) == eager_tokens
 
 
 def test_modes_without_piecewise_graphs_build_none(llama_ckpt: Path) -> None:
