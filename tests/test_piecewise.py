@@ -120,8 +120,10 @@ def test_graph_splits_at_each_attention_op(llama_ckpt: Path) -> None:
         ops = [op_target_name(n) for n in it.module.graph.nodes]
         attn = ops.count("kvscale.paged_attention")
         assert attn == (1 if it.is_split_op else 0)
-        if it.is_split_op:  # nothing else runs eagerly
+        if it.is_split_op:  # nothing else runs eagerly, and not through the dispatcher
             assert sum(n.op == "call_function" for n in it.module.graph.nodes) == 1
+            runs = pw.compile_backend.split_gm.__dict__[it.name]
+            assert runs.__qualname__ == "direct_call.<locals>.run"
     first, middle, last = (items[i].module for i in (0, 2, 4))
     assert [_linears(first), _linears(middle), _linears(last)] == [1, 4, 3]
     targets = [[str(n.target) for n in gm.graph.nodes] for gm in (first, middle, last)]

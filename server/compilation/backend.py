@@ -26,8 +26,9 @@ from torch import fx
 
 from kvscale.server.compilation.compiler import PieceCompiler
 from kvscale.server.compilation.config import CompilationConfig
+from kvscale.server.compilation.direct_calls import direct_call
 from kvscale.server.compilation.piece import CapturedPiece
-from kvscale.server.compilation.split import SplitItem, split_graph
+from kvscale.server.compilation.split import SplitItem, op_target_name, split_graph
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,9 @@ class PiecewiseBackend:
         self.split_gm = split_gm
         _CompilePieces(split_gm, self).run(*example_inputs)
         for it in self.items:
-            if it.is_split_op:  # call the op's code directly, without nn.Module's __call__
-                split_gm.__dict__[it.name] = it.module.forward
+            if it.is_split_op:  # the op's code directly if registered, else its submodule
+                op = next(filter(None, map(op_target_name, it.module.graph.nodes)), None)
+                split_gm.__dict__[it.name] = direct_call(it.module, op) or it.module.forward
         if self.config.debug and self.config.cache_dir:
             self._dump(split_gm)
         self.seconds = time.perf_counter() - start

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from kvscale.server.attention.forward_context import get_forward_context
+from kvscale.server.compilation.direct_calls import register_direct_call
 from kvscale.server.worker.kv_pool import LayerKV
 
 
-@torch.library.custom_op("kvscale::paged_attention", mutates_args=("k_cache", "v_cache", "out"))
-def paged_attention(
+def paged_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -41,6 +41,13 @@ def paged_attention(
         q, k, v, out = q[:n], k[:n], v[:n], out[:n]
     ctx.backend.write_kv(k, v, kv, ctx.attn)
     out.copy_(ctx.backend.attend(q, kv, ctx.attn, scale))
+
+
+paged_attention = torch.library.custom_op(
+    "kvscale::paged_attention", paged_attention_impl, mutates_args=("k_cache", "v_cache", "out")
+)
+# between captured pieces it is called without the dispatcher's per-call cost
+register_direct_call("kvscale::paged_attention", paged_attention_impl)
 
 
 @paged_attention.register_fake
