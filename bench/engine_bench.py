@@ -12,6 +12,9 @@ loaded through the engine's real loader (and by transformers for the peer). Work
 - D, serving: ``kvscale serve`` under ``kvscale bench serve`` (ShareGPT-like lengths,
   text prompts that both servers tokenize to the same ids) at each concurrency. Peer:
   ``transformers serve --continuous-batching`` under the same client and prompts.
+- Piecewise CUDA graphs (``--cuda-graph-mode full_and_piecewise``) measured apart, each
+  against the default mode in the same lease: B offline (with the mean mixed-step time),
+  D at c=64 and 256, and the start-up with an empty and a warm compile cache.
 
 Tensor parallelism (two GPUs, not part of ``all``): ``tp1`` and ``tp2`` run C and A at
 TP=1 and TP=2, ``serve-tp2`` runs D at TP=2 (``serve`` gives TP=1), ``allreduce``
@@ -49,7 +52,7 @@ import sys
 import time
 import traceback
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -101,7 +104,11 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "prefix",
     "fp8",
     "structured",
+    "piecewise",
+    "serve-piecewise",
 )
+PIECEWISE_MODE = "full_and_piecewise"
+PIECEWISE_CONCURRENCIES = (64, 256)
 TP_PHASES = ("tp1", "tp2", "serve-tp2", "allreduce")  # two GPUs; run by name only
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
@@ -363,6 +370,7 @@ def build_rows(res: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
                 "",
             )
         )
+    rows += piecewise_rows(res, bounds)
     serve, peer_serve = res.get("serve", {}), res.get("peer-serve", {})
     for c in concurrency_levels(serve):
         r, p = serve[str(c)], peer_serve.get(str(c), {})
@@ -474,6 +482,71 @@ def allreduce_share(
     }
 
 
+def piecewise_rows(res: dict[str, Any], bounds: dict[str, Any]) -> list[Row]:
+    """Rows of the piecewise phases: each figure with piecewise graphs next to the same
+    lease's default mode (in the peer column, so the ratio is the gain)."""
+    rows: list[Row] = []
+    pw = res.get("piecewise", {})
+    base, new = pw.get("full_decode_only", {}), pw.get(PIECEWISE_MODE, {})
+    if "B" in base and "B" in new:
+        rows.append(
+            Row(
+                "B, piecewise graphs (vs default)",
+                "output tok/s",
+                new["B"]["output_tok_per_s"],
+                base["B"]["output_tok_per_s"],
+                bounds.get("B", {}).get("output_tok_per_s"),
+                True,
+                "~9,400 predicted",
+            )
+        )
+        rows.append(
+            Row(
+                "B, piecewise graphs (vs default)",
+                "mixed step (ms)",
+                new["B"]["steps"]["prefill_step_ms"],
+                base["B"]["steps"]["prefill_step_ms"],
+                None,
+                False,
+                "",
+            )
+        )
+    if "load_s" in base and "load_s" in new:
+        rows.append(
+            Row(
+                "start-up, empty compile cache", "s", new["load_s"], base["load_s"], None, False, ""
+            )
+        )
+    if "warm_load_s" in pw and "load_s" in base:
+        rows.append(
+            Row(
+                "start-up, warm compile cache",
+                "s",
+                pw["warm_load_s"],
+                base["load_s"],
+                None,
+                False,
+                "< 60 s",
+            )
+        )
+    serve = res.get("serve-piecewise", {})
+    base_s, new_s = serve.get("full_decode_only", {}), serve.get(PIECEWISE_MODE, {})
+    for c in concurrency_levels(new_s):
+        r, p = new_s[str(c)], base_s.get(str(c), {})
+        target = "~15 ms predicted" if c == 256 else ""
+        for metric, key, hib, tgt in (
+            ("median TPOT (ms)", "median_tpot_ms", False, target),
+            ("p99 TPOT (ms)", "p99_tpot_ms", False, ""),
+            ("median TTFT (ms)", "median_ttft_ms", False, ""),
+            ("output tok/s", "output_throughput", True, ""),
+        ):
+            row = Row(
+                f"D c={c}, piecewise (vs default)", metric, r[key], p.get(key), None, hib, tgt
+            )
+            rows.append(row)
+    return rows
+
+
 def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Markdown and JSON of a run's phase results."""
     rows, bounds = build_rows(res)
@@ -490,6 +563,11 @@ def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     tp = format_tp_table(res)
     if tp:
         lines += ["## Tensor parallelism (2 GPUs)", "", tp, ""]
+    if any("(vs default)" in r.workload for r in rows):
+        lines.append(
+            "- rows marked (vs default) hold the default mode (full_decode_only), measured in "
+            "the same lease, in the peer column"
+        )
     for w in ("A", "B"):
         steps = res.get("ours", {}).get(w, {}).get("steps")
         if steps:
@@ -865,6 +943,18 @@ def phase_ours(ckpt: Path, workloads: str = "CAB", **kw: Any) -> dict[str, Any]:
         "load_s": time.perf_counter() - t0,
         "kv_blocks": llm.engine.block_manager.num_blocks,
     }
+    pw = llm.engine.worker.piecewise
+    if pw is not None:
+        st = pw.compile_backend.compiler.stats
+        res["piecewise"] = {
+            "compile_s": pw.compile_seconds,
+            "capture_s": pw.capture_seconds,
+            "sizes": list(pw.sizes),
+            "pieces": len(pw.compile_backend.pieces),
+            "compiled": st.compiled,
+            "loaded": st.loaded,
+            "shared": st.reused,
+        }
     if "C" in workloads:
         res["latency"] = _latency(llm)
     if "A" in workloads:
@@ -878,6 +968,43 @@ def phase_ours(ckpt: Path, workloads: str = "CAB", **kw: Any) -> dict[str, Any]:
     del llm
     _free_gpu()
     return res
+
+
+def phase_piecewise(ckpt: Path, cache_dir: Path) -> dict[str, Any]:
+    """B with the default mode and with piecewise graphs, in that order on one lease; the
+    piecewise engine starts on an empty compile cache, then one more start times a warm
+    cache (and is dropped)."""
+    import shutil
+
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    res: dict[str, Any] = {"full_decode_only": phase_ours(ckpt, "B")}
+    kw = dict(cuda_graph_mode=PIECEWISE_MODE, compile_cache_dir=str(cache_dir))
+    res[PIECEWISE_MODE] = phase_ours(ckpt, "B", **kw)
+    t0 = time.perf_counter()
+    llm = _llm(ckpt, **kw)
+    res["warm_load_s"] = time.perf_counter() - t0
+    pw = llm.engine.worker.piecewise
+    if pw is not None:
+        res["warm_compile_s"] = pw.compile_seconds
+        res["warm_capture_s"] = pw.capture_seconds
+    del llm, pw
+    _free_gpu()
+    return res
+
+
+def phase_serve_piecewise(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dict[str, Any]:
+    """D at the given concurrencies with the default mode, then with piecewise graphs."""
+    cache = out_dir / "compile-cache"
+    return {
+        "full_decode_only": phase_serve(ckpt, out_dir, concurrencies, tag="default"),
+        PIECEWISE_MODE: phase_serve(
+            ckpt,
+            out_dir,
+            concurrencies,
+            extra=["--cuda-graph-mode", PIECEWISE_MODE, "--compile-cache-dir", str(cache)],
+            tag="piecewise",
+        ),
+    }
 
 
 def phase_peer_latency(ckpt: Path) -> dict[str, Any]:
@@ -1045,10 +1172,12 @@ def _serve(
     ready_timeout: float = 600,
 ) -> dict[str, Any]:
     with open(log_path, "w") as log:
+        t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_http(ready_url, proc, ready_timeout)
-            return clients()
+            ready_s = time.perf_counter() - t0
+            return {**clients(), "ready_s": ready_s}
         finally:
             proc.terminate()
             try:
@@ -1063,7 +1192,7 @@ def phase_serve(
     ckpt: Path,
     out_dir: Path,
     concurrencies: list[int],
-    extra: tuple[str, ...] = (),
+    extra: Sequence[str] = (),
     tag: str = "kvscale",
     tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
@@ -1159,7 +1288,7 @@ def phase_peer_serve(ckpt: Path, out_dir: Path, concurrencies: list[int]) -> dic
         return out
 
     res = _serve(cmd, f"{base}/health", clients, out_dir / "server_transformers.log")
-    failed = {k: v.pop("error") for k, v in res.items() if "error" in v}
+    failed = {k: v.pop("error") for k, v in res.items() if isinstance(v, dict) and "error" in v}
     res = {k: v for k, v in res.items() if k not in failed}
     res["failed"] = failed
     res["command"] = " ".join(cmd[1:])
@@ -1284,6 +1413,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--force", action="store_true", help="rerun phases that have results")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
+    ap.add_argument("--piecewise-concurrency", default=",".join(map(str, PIECEWISE_CONCURRENCIES)))
     ap.add_argument("--report", action="store_true", help="write engine.md/.json and the plot")
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
@@ -1317,6 +1447,10 @@ def main(argv: list[str] | None = None) -> int:
         "tp2": lambda: phase_ours(ckpt, "CA", tensor_parallel_size=2),
         "serve-tp2": lambda: phase_serve(ckpt, out, conc, tensor_parallel_size=2),
         "allreduce": lambda: phase_allreduce(ckpt),
+        "piecewise": lambda: phase_piecewise(ckpt, out / "compile-cache"),
+        "serve-piecewise": lambda: phase_serve_piecewise(
+            ckpt, out, [int(c) for c in args.piecewise_concurrency.split(",")]
+        ),
     }
     for name in phases:
         path = out / f"phase_{name}.json"

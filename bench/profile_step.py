@@ -6,11 +6,17 @@
    copy, a pinned allocation or a sync shows up here) and the top GPU kernels.
 3. Mixed prefill steps of six different token counts, each synchronized: a step far
    slower than the others compiled a kernel variant inside the run.
-4. Steps shaped like workload B's: 64 decoding sequences alone (a graph replay), and with
-   a 490-token prompt joining (eager), each synchronized, with the host's launch time:
-   a launch time close to the step time means the step waits on the host, not the GPU.
+4. Steps shaped like workload B's: 64 decoding sequences alone (a decode graph replay),
+   and with a prompt of 100, 490, 700 or 2,000 tokens joining (piecewise graphs or eager,
+   as the mode's dispatcher decides), each synchronized, with the host's launch time: a
+   launch time close to the step time means the step waits on the host, not the GPU.
+
+Each ``--modes`` value (a ``--cuda-graph-mode``) gets an engine of its own, in turn, with
+its start-up time printed; e.g. the mixed-step enqueue time with and without piecewise
+graphs, in one lease:
 
     python bench/profile_step.py [--ckpt /tmp/llama31-8b-random]
+    python bench/profile_step.py --modes full_decode_only,full_and_piecewise --sections 4
 """
 
 from __future__ import annotations
@@ -26,14 +32,23 @@ from typing import Any
 def _timed(launch: Callable[..., Any], cur: dict[str, float]) -> Callable[..., Any]:
     """``Worker.launch`` that records its host time and token count in ``cur``."""
 
+    worker = getattr(launch, "__self__", None)
+
     def timed_launch(step: Any) -> Any:
         t0 = time.perf_counter()
         out = launch(step)
         cur["launch_ms"] = 1e3 * (time.perf_counter() - t0)
         cur["tokens"] = float(sum(step.new_tokens_per_seq))
+        if worker is not None:
+            d = worker.dispatcher.dispatch(step.num_tokens, step.graph_size)
+            cur["graph"] = f"{d.kind} {d.size}" if d.size else d.kind  # type: ignore[assignment]
         return out
 
     return timed_launch
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
 
 
 def _timeline(eng: Any, steps: int) -> list[dict[str, float]]:
@@ -70,9 +85,17 @@ def _timeline(eng: Any, steps: int) -> list[dict[str, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/llama31-8b-random")
+    ap.add_argument(
+        "--modes",
+        default="full_decode_only",
+        help="comma list of --cuda-graph-mode values, each profiled on an engine of its own",
+    )
+    ap.add_argument("--sections", default="1234", help="which sections to run, e.g. 4")
+    ap.add_argument("--compile-cache-dir", default="/tmp/kvscale/compile-cache")
     args = ap.parse_args()
+    import gc
+
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_bench import _prompts, ensure_checkpoint
@@ -81,19 +104,53 @@ def main() -> None:
 
     ckpt = Path(args.ckpt)
     ensure_checkpoint(ckpt)
-    llm = LLM(str(ckpt), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.85)
-    eng = llm.engine
+    for mode in args.modes.split(","):
+        t0 = time.perf_counter()
+        llm = LLM(
+            str(ckpt),
+            dtype="bfloat16",
+            max_model_len=2048,
+            gpu_memory_utilization=0.85,
+            cuda_graph_mode=mode,
+            compile_cache_dir=args.compile_cache_dir,
+        )
+        print(f"==== cuda_graph_mode={mode}: start-up {time.perf_counter() - t0:.1f} s")
+        pw = llm.engine.worker.piecewise
+        if pw is not None:
+            print(
+                f"piecewise: compile {pw.compile_seconds:.1f} s, capture "
+                f"{pw.capture_seconds:.1f} s, {len(pw.sizes)} sizes"
+            )
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        llm.generate(_prompts(8, 512, 5), greedy)  # warm-up
+        llm.generate(_prompts(1, 128, 0), greedy)
+        _sections(llm.engine, args.sections)
+        del llm, pw
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _sections(eng: Any, sections: str) -> None:
+    if "1" in sections:
+        _batch1_timeline(eng)
+    if "2" in sections:
+        _profiler(eng)
+    if "3" in sections:
+        _prefill_sizes(eng)
+    if "4" in sections:
+        _mixed_vs_decode(eng)
+
+
+def _profiler(eng: Any) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvscale.server import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_bench import _prompts
+
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm.generate(_prompts(8, 512, 5), greedy)  # warm-up
-    llm.generate(_prompts(1, 128, 0), greedy)
-
-    print("== 1. batch-1 timeline (128-token prompt, 8 tokens)")
-    eng.add_request("c", _prompts(1, 128, 0)[0], greedy)
-    for i, r in enumerate(_timeline(eng, 5)):
-        print(f"step {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
-    while eng.has_unfinished_requests():
-        eng.step()
-
     print("== 2. profiler over a batch-1 request's first 3 steps")
     eng.add_request("p", _prompts(1, 128, 0)[0], greedy)
     torch.cuda.synchronize()
@@ -106,6 +163,30 @@ def main() -> None:
     avg = prof.key_averages()
     print(avg.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50))
     print(avg.table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=50))
+
+
+def _batch1_timeline(eng: Any) -> None:
+    from kvscale.server import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_bench import _prompts
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    print("== 1. batch-1 timeline (128-token prompt, 8 tokens)")
+    eng.add_request("c", _prompts(1, 128, 0)[0], greedy)
+    for i, r in enumerate(_timeline(eng, 5)):
+        print(f"step {i}: {_fmt(r)}")
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def _prefill_sizes(eng: Any) -> None:
+    import torch
+
+    from kvscale.server import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_bench import _prompts
 
     print("== 3. mixed prefill steps of different sizes (each synchronized)")
     for k in range(6):
@@ -120,8 +201,6 @@ def main() -> None:
         while eng.has_unfinished_requests():
             eng.step()
 
-    _mixed_vs_decode(eng)
-
 
 def _mixed_vs_decode(eng: Any) -> None:
     import torch
@@ -131,7 +210,7 @@ def _mixed_vs_decode(eng: Any) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_bench import _prompts
 
-    print("== 4. 64 decoding sequences, alone and with a 490-token prompt joining")
+    print("== 4. 64 decoding sequences, alone and with a prompt joining")
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     for i, p in enumerate(_prompts(64, 128, 20)):
         eng.add_request(f"d{i}", p, params)
@@ -148,14 +227,14 @@ def _mixed_vs_decode(eng: Any) -> None:
         torch.cuda.synchronize()
         eng.worker.launch = launch
         cur["step_ms"] = 1e3 * (time.perf_counter() - t0)
-        print(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in cur.items()))
+        print(f"{label}: {_fmt(cur)}")
 
-    for k in range(3):
+    for k, joining in enumerate((490, 490, 490, 100, 700, 2000)):
         one_step("decode only")
         eng.add_request(
-            f"j{k}", _prompts(1, 490, 30 + k)[0], SamplingParams(temperature=0, max_tokens=1)
+            f"j{k}", _prompts(1, joining, 30 + k)[0], SamplingParams(temperature=0, max_tokens=1)
         )
-        one_step("mixed")
+        one_step(f"mixed, {joining}-token prompt joining")
     while eng.has_unfinished_requests():
         eng.step()
 

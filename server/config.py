@@ -22,6 +22,14 @@ from typing import Any
 
 import torch
 
+from kvscale.server.compilation.config import (
+    CUDA_GRAPH_MODES,
+    DEFAULT_PIECEWISE_MAX_TOKENS,
+    DEFAULT_SPLIT_OPS,
+    PIECE_COMPILERS,
+    check_engine_settings,
+)
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -58,6 +66,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 GROUPS = {
     "model": "model",
     "engine": "engine",
+    "compilation": "CUDA graphs and compilation",
     "features": "features not supported yet (any value but the default is refused at start)",
 }
 
@@ -129,13 +138,67 @@ class EngineConfig:
         "auto", "auto | torch | triton (auto: triton on CUDA)", choices=("auto", "torch", "triton")
     )
     enforce_eager: bool = setting(
-        False, "run decode steps eagerly instead of replaying CUDA graphs (GPU only)"
+        False, "run every step eagerly, no CUDA graphs (the same as --cuda-graph-mode none)"
     )
     compile: bool = setting(
-        False, "torch.compile the layers around attention (Inductor); slower start-up"
+        False,
+        "torch.compile the layers around attention (Inductor) also for the steps that no "
+        "piecewise graph runs; slower start-up",
     )
     cuda_graph_max_batch: int = setting(
         256, "largest decode batch captured as a CUDA graph; 0 = none", min=0
+    )
+    cuda_graph_mode: str = setting(
+        "full_decode_only",
+        "full_and_piecewise (decode-only steps replay a whole-model graph, other steps up to "
+        "the largest captured size replay piecewise graphs around eager attention) | "
+        "full_decode_only | piecewise | none; larger steps run eagerly; on CPU nothing is "
+        "captured and the piecewise modes run the compiled pieces",
+        group="compilation",
+        choices=CUDA_GRAPH_MODES,
+    )
+    piecewise_max_tokens: int = setting(
+        DEFAULT_PIECEWISE_MAX_TOKENS,
+        "largest step (new tokens) captured as piecewise graphs when "
+        "--piecewise-capture-sizes is not given",
+        group="compilation",
+        min=1,
+    )
+    piecewise_capture_sizes: str | None = setting(
+        None,
+        "comma-separated token counts captured as piecewise graphs (default: every 8 "
+        "tokens up to 64, 16 up to 128, 32 up to --piecewise-max-tokens); a step pads to "
+        "the next one",
+        group="compilation",
+    )
+    piecewise_compiler: str = setting(
+        "inductor",
+        "compiler of each piece: inductor | eager (as traced, for debugging)",
+        group="compilation",
+        choices=PIECE_COMPILERS,
+    )
+    piecewise_compile_sizes: str | None = setting(
+        None,
+        "captured sizes each piece is also compiled for with static shapes (default: "
+        "none, one dynamic-shape compilation serves every size)",
+        group="compilation",
+    )
+    piecewise_split_ops: str = setting(
+        ",".join(DEFAULT_SPLIT_OPS),
+        "comma-separated custom ops the compiled graph is split at; they run eagerly "
+        "between the captured pieces",
+        group="compilation",
+    )
+    compile_cache_dir: str = setting(
+        "/tmp/kvscale/compile-cache",
+        "folder keeping compiled pieces between starts ('' = not kept)",
+        group="compilation",
+    )
+    compile_debug: bool = setting(
+        False,
+        "check CUDA-graph input addresses on every replay and write the split graph to "
+        "the cache folder",
+        group="compilation",
     )
     seed: int = setting(0, "seed of unseeded sampling")
     enable_prefix_caching: bool = setting(
@@ -192,6 +255,7 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
             )
+        check_engine_settings(self)
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

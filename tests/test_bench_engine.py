@@ -234,3 +234,59 @@ def test_tp2_phase_runs_an_engine_over_two_cpu_ranks(
     res = eb.phase_ours(llama_ckpt, "CA", tensor_parallel_size=2)
     assert res["A"]["output_tokens"] == 4 * 3 and res["A"]["steps"]["num_steps"] > 0
     assert res["latency"]["tpot_ms"] > 0
+
+
+def test_report_rows_of_the_piecewise_phases() -> None:
+    def b(tok_s: float, mixed_ms: float, load_s: float) -> dict:
+        return {
+            "load_s": load_s,
+            "B": {"output_tok_per_s": tok_s, "steps": {"prefill_step_ms": mixed_ms}},
+        }
+
+    res = {
+        "piecewise": {
+            "full_decode_only": b(7776.0, 32.7, 15.0),
+            eb.PIECEWISE_MODE: b(9400.0, 22.0, 75.0),
+            "warm_load_s": 40.0,
+        },
+        "serve-piecewise": {
+            "full_decode_only": {"256": _serve_result(22.5, 6875.0), "ready_s": 20.0},
+            eb.PIECEWISE_MODE: {"256": _serve_result(15.0, 9000.0), "ready_s": 45.0},
+        },
+    }
+    text, _ = eb.render_report(res)
+    assert "| B, piecewise graphs (vs default) | output tok/s | 9400.00 | 7776.00 | 1.21x |" in text
+    assert "| B, piecewise graphs (vs default) | mixed step (ms) | 22.00 | 32.70 | 1.49x |" in text
+    assert "| start-up, warm compile cache | s | 40.00 | 15.00 | 0.38x |" in text
+    assert "| D c=256, piecewise (vs default) | median TPOT (ms) | 15.00 | 22.50 | 1.50x |" in text
+    assert "hold the default mode (full_decode_only)" in text
+
+
+def test_profile_step_records_the_graph_each_launch_replays() -> None:
+    from types import SimpleNamespace
+
+    from kvscale.server.worker.graph_dispatch import GraphDispatcher
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_step", Path(__file__).resolve().parents[1] / "bench" / "profile_step.py"
+    )
+    assert spec and spec.loader
+    ps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ps)
+
+    class Worker:
+        dispatcher = GraphDispatcher(decode_sizes=(1, 2, 4), token_sizes=(8, 16))
+
+        def launch(self, step: object) -> str:
+            return "launched"
+
+    cur: dict = {}
+    timed = ps._timed(Worker().launch, cur)
+    mixed = SimpleNamespace(new_tokens_per_seq=[1, 5], num_tokens=6, graph_size=0)
+    assert timed(mixed) == "launched"
+    assert cur["graph"] == "piecewise 8" and cur["tokens"] == 6.0 and cur["launch_ms"] >= 0
+    timed(SimpleNamespace(new_tokens_per_seq=[1, 1, 1], num_tokens=4, graph_size=4))
+    assert cur["graph"] == "full 4"
+    timed(SimpleNamespace(new_tokens_per_seq=[20], num_tokens=20, graph_size=0))
+    assert cur["graph"] == "eager"
+    assert ps._fmt({"launch_ms": 1.234, "graph": "eager"}) == "launch_ms 1.23, graph eager"

@@ -4,7 +4,10 @@ The layer holds its ``LayerKV`` (bound by the worker's ``KVPool``) and calls the
 attention backend (the forward context). Under ``torch.compile`` the call is one opaque
 custom op, ``kvscale::paged_attention``, so that Inductor compiles the rest of each
 layer (norms, projections, rotary, MLP) around it and attention stays on the backend's
-kernels: the piecewise split SGLang and vLLM use.
+kernels: the op the piecewise backend splits the graph at (``server/compilation``). It
+writes into an output buffer allocated before it (so inside the previous piece, at an
+address a CUDA graph of the next piece can read), and it attends only the step's real
+tokens: rows past the metadata's ``slot_mapping`` pad a captured size and are left 0.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ import torch
 from torch import nn
 
 from kvscale.server.attention.forward_context import get_forward_context
+from kvscale.server.compilation.direct_calls import register_direct_call
 from kvscale.server.worker.kv_pool import LayerKV
 
 
-@torch.library.custom_op("kvscale::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention(
+def paged_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -25,14 +28,26 @@ def paged_attention(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    out: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """``q [T, Hq, D]``, ``k, v [T, Hk, D]`` -> ``[T, Hq, D]`` through the current step's
-    attention backend and metadata (the forward context)."""
+) -> None:
+    """``q [T, Hq, D]``, ``k, v [T, Hk, D]`` -> ``out [T, Hq, D]`` through the current step's
+    attention backend and metadata (the forward context). Only the first ``n`` rows
+    (``n = len(slot_mapping)``) are real tokens; the rest pad a captured size."""
     ctx = get_forward_context()
     kv = LayerKV(k_cache, v_cache, k_scale, v_scale)
+    n = ctx.attn.slot_mapping.shape[0]
+    if n < q.shape[0]:
+        q, k, v, out = q[:n], k[:n], v[:n], out[:n]
     ctx.backend.write_kv(k, v, kv, ctx.attn)
-    return ctx.backend.attend(q, kv, ctx.attn, scale)
+    out.copy_(ctx.backend.attend(q, kv, ctx.attn, scale))
+
+
+paged_attention = torch.library.custom_op(
+    "kvscale::paged_attention", paged_attention_impl, mutates_args=("k_cache", "v_cache", "out")
+)
+# between captured pieces it is called without the dispatcher's per-call cost
+register_direct_call("kvscale::paged_attention", paged_attention_impl)
 
 
 @paged_attention.register_fake
@@ -44,9 +59,10 @@ def _(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    out: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    return torch.empty_like(q)
+) -> None:
+    return None
 
 
 def _load_scalar(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
@@ -80,8 +96,10 @@ class Attention(nn.Module):
         if kv is None:
             raise RuntimeError("attention layer has no KV cache bound (KVPool.bind)")
         if torch.compiler.is_compiling():
-            out = torch.ops.kvscale.paged_attention(
-                q, k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, self.scale
+            # zeros: padding rows stay finite through the layers after attention
+            out = torch.zeros_like(q)
+            torch.ops.kvscale.paged_attention(
+                q, k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, out, self.scale
             )
         else:
             ctx = get_forward_context()

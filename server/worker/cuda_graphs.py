@@ -13,6 +13,8 @@ of block 0, and their logits are dropped.
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,9 +81,11 @@ class DecodeGraphs:
             return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Captures every batch size, largest first, sharing one memory pool."""
-        pool = torch.cuda.graph_pool_handle()
+    def capture(self, pool: Any = None) -> None:
+        """Captures every batch size, largest first, sharing one memory pool (``pool``:
+        a ``torch.cuda.graph_pool_handle()`` shared with other graphs; None: a new one)."""
+        start = time.perf_counter()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -93,7 +97,11 @@ class DecodeGraphs:
                 self.graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+        log.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1f s",
+            self.batch_sizes,
+            time.perf_counter() - start,
+        )
 
     def graph_size(self, n: int) -> int | None:
         """The smallest captured batch size >= n, or None if n is too large."""

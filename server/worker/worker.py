@@ -1,13 +1,14 @@
 """The worker of one rank: runs a ``StepInput`` through the model and samples.
 
 It owns the model (this rank's shard), the KV pool (allocated once), the attention
-backend, the decode CUDA graphs and the sampler's state, and knows nothing of requests
-or sequences. ``launch`` copies the step's arrays to the device in one pinned transfer,
-enqueues the forward pass and the sampling, and starts copying the sampled tokens back,
-all without waiting for the GPU; the returned ``PendingStep`` waits only when its
-``result()`` is read. So the driver can prepare and launch step N+1 while the GPU still
-runs step N: step N+1 may feed tokens sampled in step N as placeholders, which the
-device resolves from ``last_tokens``.
+backend, the CUDA graphs (whole-model graphs for decode steps, piecewise graphs for
+mixed steps; ``graph_dispatch`` picks one per step) and the sampler's state, and knows
+nothing of requests or sequences. ``launch`` copies the step's arrays to the device in
+one pinned transfer, enqueues the forward pass and the sampling, and starts copying the
+sampled tokens back, all without waiting for the GPU; the returned ``PendingStep`` waits
+only when its ``result()`` is read. So the driver can prepare and launch step N+1 while
+the GPU still runs step N: step N+1 may feed tokens sampled in step N as placeholders,
+which the device resolves from ``last_tokens``.
 
 With tensor parallelism every rank runs a ``Worker`` on its shard (``ParallelState``)
 and launches the same steps; rank 0 samples and broadcasts the sampled tokens, which
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ import torch
 from kvscale.server.attention.backend import get_backend
 from kvscale.server.attention.forward_context import forward_context
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.compilation.config import CompilationConfig
 from kvscale.server.config import ResolvedConfig
 from kvscale.server.engine.core_outputs import RowLogprobs
 from kvscale.server.layers import ops
@@ -41,9 +44,11 @@ from kvscale.server.models.loader import load_model
 from kvscale.server.parallel import SINGLE, ParallelState
 from kvscale.server.quantization import get_quantization
 from kvscale.server.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from kvscale.server.worker.graph_dispatch import EAGER, GraphDispatcher
 from kvscale.server.worker.host_to_device import to_device
 from kvscale.server.worker.kv_calibration import KVScaleCalibration
 from kvscale.server.worker.kv_pool import KVPool
+from kvscale.server.worker.piecewise_graphs import PiecewiseGraphs
 from kvscale.server.worker.step import SamplingPlan, StepInput, profile_step, resolve_placeholders
 
 log = logging.getLogger(__name__)
@@ -141,13 +146,16 @@ class Worker:
         self.backend = get_backend(eng.attention_backend, device)
         # Compiled: Inductor fuses the elementwise references itself; eager on CUDA: the
         # hand-written Triton kernels.
-        ops.use_kernels(self.backend.name == "triton" and not eng.compile)
+        use_kernels = self.backend.name == "triton" and not eng.compile
+        ops.use_kernels(use_kernels)
         quant = get_quantization(config.model, eng.quantization)
         if quant is not None:
             log.info("quantization: %s", quant.describe())
         self.model = load_model(config.model, eng.model, self.dtype, device, parallel, quant)
         self.compiled = eng.compile
-        if eng.compile:
+        mode = "none" if eng.enforce_eager else eng.cuda_graph_mode
+        piecewise = mode in ("full_and_piecewise", "piecewise")
+        if eng.compile and not piecewise:
             # Attention stays an opaque custom op (see layers/attention.py); token counts
             # vary every step, so shapes are dynamic.
             self.model.model = torch.compile(self.model.model, dynamic=True)
@@ -183,19 +191,70 @@ class Worker:
         )
         if self.kv_pool.quantized:
             self._init_kv_scales()
+        max_blocks = -(-config.max_model_len // eng.block_size)
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        compilation = CompilationConfig.from_engine(eng)
+        self.piecewise: PiecewiseGraphs | None = None
+        if piecewise and compilation.capture_sizes:
+            self.piecewise = self._piecewise(compilation, max_blocks, pool, use_kernels)
         self.graphs: DecodeGraphs | None = None
         max_batch = min(eng.cuda_graph_max_batch, eng.max_num_seqs)
         use_graphs = device.type == "cuda" and self.backend.name == "triton"
-        if use_graphs and not eng.enforce_eager and max_batch > 0:
+        full = mode in ("full_and_piecewise", "full_decode_only")
+        if use_graphs and full and max_batch > 0:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.backend,
                 capture_sizes(max_batch),
-                -(-config.max_model_len // eng.block_size),
+                max_blocks,
                 eng.block_size,
                 self.last_tokens,
             )
-            self.graphs.capture()
+            self.graphs.capture(pool)
+        self.dispatcher = GraphDispatcher(
+            tuple(self.graphs.batch_sizes) if self.graphs else (),
+            compilation.capture_sizes if self.piecewise else (),
+        )
+
+    def _piecewise(
+        self, compilation: CompilationConfig, max_blocks: int, pool: Any, use_kernels: bool
+    ) -> PiecewiseGraphs | None:
+        """The compiled and captured pieces; None (with a warning saying why) if the model
+        cannot be compiled or captured this way: the engine then runs as without them."""
+        eng = self.config.engine
+        pw = PiecewiseGraphs(
+            self.model,
+            self.backend,
+            compilation,
+            eng.max_num_seqs,
+            max_blocks,
+            eng.block_size,
+            self.last_tokens,
+            pool,
+        )
+        try:
+            ops.use_kernels(False)  # trace the references: Inductor fuses them itself
+            try:
+                pw.compile()
+            finally:
+                ops.use_kernels(use_kernels)  # the uncompiled model keeps the kernels
+            pw.capture()
+        except Exception as e:
+            log.warning(
+                "piecewise CUDA graphs are off: compiling or capturing the model failed "
+                "(%s: %s); mixed steps run eagerly. --cuda-graph-mode full_decode_only "
+                "skips the attempt; --compile-debug and TORCH_LOGS=+dynamo say more",
+                type(e).__name__,
+                e,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            return None
+        if eng.compile:  # decode graphs and eager steps run the compiled pieces too
+            self.model.model = pw.compiled
+        return pw
 
     # ---- KV pool -------------------------------------------------------------------
     @property
@@ -274,10 +333,8 @@ class Worker:
     # ---- one step ------------------------------------------------------------------
     def decode_graph_size(self, num_seqs: int) -> int:
         """The captured decode batch size a decode step of ``num_seqs`` rows replays
-        (0: none, run eagerly)."""
-        if self.graphs is None:
-            return 0
-        return self.graphs.graph_size(num_seqs) or 0
+        (0: none; the step runs piecewise or eagerly)."""
+        return self.dispatcher.decode_size(num_seqs)
 
     @torch.inference_mode()
     def launch(self, step: StepInput) -> PendingStep:
@@ -291,9 +348,15 @@ class Worker:
         tokens of the step before (a grammar's next mask depends on them)."""
         dev = to_device(step.arrays, self.device)
         prompt_lp = None
-        if step.graph_size:
+        run = self.dispatcher.dispatch(step.num_tokens, step.graph_size)
+        if run.kind == "piecewise" and step.sampling.prompt_logprobs is not None:
+            run = EAGER  # prompt logprobs need the hidden states, which graphs do not keep
+        if run.kind == "full":
             assert self.graphs is not None
             logits = self.graphs.run(dev, step.num_seqs)
+        elif run.kind == "piecewise":
+            assert self.piecewise is not None
+            logits = self.piecewise.run(step, dev, run.size)
         else:
             hidden = self._run_model(step, dev)
             logits = self.model.compute_logits(hidden[dev["logits_idx"]])  # type: ignore[operator]
