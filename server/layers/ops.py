@@ -8,13 +8,12 @@ kernels' (see each kernel module's docstring).
 
 from __future__ import annotations
 
-from kvscale.kernels import activation, fp8_gemm, rmsnorm, rotary
+from kvscale.kernels import activation, rmsnorm, rotary
 
 rms_norm = rmsnorm.rms_norm_ref
 fused_add_rms_norm = rmsnorm.fused_add_rms_norm_ref
 silu_and_mul = activation.silu_and_mul_ref
 rotary_embedding = rotary.rotary_embedding_ref
-w8a8_block_matmul = fp8_gemm.w8a8_block_matmul_ref
 
 
 def use_kernels(enabled: bool) -> None:
@@ -25,5 +24,4 @@ def use_kernels(enabled: bool) -> None:
         fused_add_rms_norm=getattr(rmsnorm, "fused_add_rms_norm" + suffix),
         silu_and_mul=getattr(activation, "silu_and_mul" + suffix),
         rotary_embedding=getattr(rotary, "rotary_embedding" + suffix),
-        w8a8_block_matmul=getattr(fp8_gemm, "w8a8_block_matmul" + suffix),
     )

@@ -17,9 +17,8 @@ from torch import nn
 
 from kvscale.kernels.fp8 import FP8_E4M3 as FP8
 from kvscale.kernels.fp8 import FP8_MAX
-from kvscale.kernels.fp8_gemm import quantize_groups
+from kvscale.kernels.fp8_gemm import quantize_groups, w8a8_block_matmul, w8a8_block_matmul_ref
 from kvscale.server.config import CheckpointError
-from kvscale.server.layers import ops
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 
 _MIN_SCALE = 1e-12  # guards all-zero rows
@@ -125,10 +124,39 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
         layer.weight_scale = nn.Parameter(scale.reshape(-1), requires_grad=False)
 
 
+@torch.library.custom_op("kvscale::w8a8_block_matmul", mutates_args=())
+def _w8a8_block_matmul(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The block-scaled FP8 GEMM as one opaque op (torch.compile and the piecewise graphs
+    keep it whole): the Triton kernel on CUDA, its torch reference elsewhere."""
+    gemm = w8a8_block_matmul if a.is_cuda else w8a8_block_matmul_ref
+    return gemm(a, a_scale, b, b_scale, (block_n, block_k), out_dtype)
+
+
+@_w8a8_block_matmul.register_fake
+def _(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
 class Fp8BlockLinearMethod(LinearMethod):
     """Block-wise FP8 weights (Hugging Face ``fp8``): ``weight`` FP8 ``[out, in]`` and
     ``weight_scale_inv`` fp32 ``[out / bn, in / bk]``; activations quantized per token
-    and group of ``bk`` columns; the block-scaled GEMM (``ops.w8a8_block_matmul``)."""
+    and group of ``bk`` columns; the block-scaled GEMM (``kvscale::w8a8_block_matmul``)."""
 
     def __init__(self, block: tuple[int, int]) -> None:
         self.block = block
@@ -159,7 +187,9 @@ class Fp8BlockLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         xq, xs = quantize_groups(x.reshape(-1, shape[-1]), self.block[1])
-        y = ops.w8a8_block_matmul(xq, xs, layer.weight, layer.weight_scale_inv, self.block, x.dtype)
+        y = torch.ops.kvscale.w8a8_block_matmul(
+            xq, xs, layer.weight, layer.weight_scale_inv, *self.block, x.dtype
+        )
         if bias is not None:
             y = y + bias
         return y.reshape(*shape[:-1], y.shape[-1])
