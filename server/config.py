@@ -146,8 +146,9 @@ class EngineConfig:
     quantization: str | None = setting(
         None,
         "auto (default: as the checkpoint's config.json says) | none | fp8 (FP8 W8A8; on a "
-        "dense checkpoint, quantized at load) | compressed-tensors",
-        choices=("auto", "none", "fp8", "compressed-tensors"),
+        "dense checkpoint, quantized at load) | compressed-tensors | awq | gptq (4-bit "
+        "weight checkpoints)",
+        choices=("auto", "none", "fp8", "compressed-tensors", "awq", "gptq"),
     )
     kv_cache_dtype: str = setting(
         "auto", "KV-cache dtype (only auto: the model dtype)", group="features",

@@ -10,22 +10,31 @@ it were dense.
 from __future__ import annotations
 
 from kvscale.server.config import CheckpointError, ModelConfig
+from kvscale.server.quantization.awq import AwqConfig
 from kvscale.server.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
 from kvscale.server.quantization.compressed_tensors import CompressedTensorsConfig
 from kvscale.server.quantization.dense import DenseLinearMethod
 from kvscale.server.quantization.fp8 import Fp8OnlineLinearMethod
+from kvscale.server.quantization.gptq import GptqConfig
 
 __all__ = [
+    "AwqConfig",
     "CompressedTensorsConfig",
     "DenseLinearMethod",
     "Fp8OnlineConfig",
+    "GptqConfig",
     "LinearMethod",
     "QuantizationConfig",
     "get_quantization",
     "set_weight_attrs",
 ]
 
-SUPPORTED = ("compressed-tensors (FP8 float-quantized)", "fp8 (on a dense checkpoint)")
+SUPPORTED = (
+    "compressed-tensors (FP8 float-quantized, W4A16 pack-quantized)",
+    "awq (AutoAWQ GEMM, 4-bit)",
+    "gptq (4-bit, v1 and v2)",
+    "fp8 (on a dense checkpoint)",
+)
 
 
 class Fp8OnlineConfig(QuantizationConfig):
@@ -57,13 +66,22 @@ def get_quantization(model: ModelConfig, requested: str | None) -> QuantizationC
             "dense (use quantization='fp8' to quantize it at load)"
         )
     if method == "compressed-tensors":
-        if requested not in (None, "auto", "fp8", "compressed-tensors"):
-            raise CheckpointError(
-                f"quantization={requested!r} does not match the checkpoint's {method!r}"
-            )
-        return CompressedTensorsConfig(raw)
-    raise CheckpointError(
-        f"the checkpoint is quantized with quant_method={method!r}, which kvscale cannot "
-        f"load yet (supported: {', '.join(SUPPORTED)}); loading it as dense weights would "
-        "produce garbage"
-    )
+        ct = CompressedTensorsConfig(raw)
+        config: QuantizationConfig = ct
+        allowed = {None, "auto", method, "fp8" if ct.w4a16 is None else method}
+    elif method == "awq":
+        config, allowed = AwqConfig(raw, model), {None, "auto", method}
+    elif method == "gptq":
+        config, allowed = GptqConfig(raw, model), {None, "auto", method}
+    else:
+        raise CheckpointError(
+            f"the checkpoint is quantized with quant_method={method!r}, which kvscale cannot "
+            f"load yet (supported: {', '.join(SUPPORTED)}); loading it as dense weights would "
+            "produce garbage"
+        )
+    if requested not in allowed:
+        raise CheckpointError(
+            f"quantization={requested!r} does not match the checkpoint's {method!r} "
+            f"({config.describe()})"
+        )
+    return config
