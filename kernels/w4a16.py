@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -78,14 +79,21 @@ def dequantize_w4(
     g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weight ``[K, N]`` in fp32, rows in storage order (``perm`` not applied)."""
-    codes = unpack_int4_rows(qweight, k).float()
+    n = qweight.shape[1]
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32).view(1, PACK, 1)
+    codes = ((qweight.unsqueeze(1) >> shifts) & 0xF).reshape(-1, n).float()  # [8*rows, N]
+    s = scales.float()
+    z = zeros.float() if zeros is not None else torch.full_like(s, SYMMETRIC_ZERO)
     if g_idx is not None:
-        groups = g_idx.long()
-    else:
-        groups = torch.arange(k, device=qweight.device) // min(group_size, k)
-    s = scales.float()[groups]
-    z = zeros.float()[groups] if zeros is not None else SYMMETRIC_ZERO
-    return (codes - z) * s
+        rows = g_idx.long()
+        return (codes[:k] - z[rows]) * s[rows]
+    # contiguous groups: broadcast each group's row over its rows (no [K, N] gathers)
+    size = min(group_size, k)
+    groups = -(-k // size)
+    if codes.shape[0] < groups * size:
+        codes = F.pad(codes, (0, 0, 0, groups * size - codes.shape[0]))
+    w = (codes[: groups * size].view(groups, size, n) - z[:, None]) * s[:, None]
+    return w.view(groups * size, n)[:k]
 
 
 def _check(

@@ -467,23 +467,13 @@ def _check_combinations(spec: LLMDeploymentSpec) -> None:
     if eng.device == "cpu":
         if eng.tensor_parallel_size != 1:
             raise _err("spec.engine", "tensorParallelSize > 1 needs device cuda")
-        if eng.quantization != "none":
+        # awq and gptq run on the CPU too (the W4A16 GEMM's torch reference)
+        if eng.quantization == "fp8":
             raise _err(
-                "spec.engine", "quantization needs device cuda (the CPU path runs bf16/fp32)"
+                "spec.engine", "quantization fp8 needs device cuda (on cpu: none, awq or gptq)"
             )
         if eng.kv_cache_dtype != "auto":
             raise _err("spec.engine", "an FP8 KV cache (kvCacheDtype) needs device cuda")
-    if eng.kv_cache_dtype != "auto" and eng.quantization in ("awq", "gptq"):
-        raise _err(
-            "spec.engine",
-            f"kvCacheDtype {eng.kv_cache_dtype} is not supported with {eng.quantization} "
-            "weights; use quantization none or fp8, or kvCacheDtype auto",
-        )
-    if eng.quantization in ("awq", "gptq") and spec.model.dtype not in ("auto", "float16"):
-        raise _err(
-            "spec.model.dtype",
-            f"{eng.quantization} kernels run in float16; use dtype auto or float16",
-        )
 
 
 def parse_spec(raw: Mapping[str, Any] | None) -> LLMDeploymentSpec:

@@ -9,6 +9,10 @@ Config keys: ``bits`` (only 4), ``group_size`` (-1: per channel), ``desc_act``
 layouts are refused), ``modules_to_not_convert``, ``lm_head`` (a quantized LM head is
 refused), ``dynamic`` (per-module overrides: refused).
 
+kvscale runs q/k/v (and gate/up) as one layer with one ``g_idx``, as vLLM does: GPTQ
+orders a layer's inputs by the Hessian of its input, which the parts of a fused layer
+share, so their ``g_idx`` are the same.
+
 Symmetric checkpoints are dequantized with zero point 8 whatever ``qzeros`` says, after
 checking that it says 8 (v2) or 7 (v1): some writers store v2 zeros under the v1 name
 (vLLM PR 38966), and a symmetric zero is 8 either way.

@@ -89,7 +89,10 @@ VALID = [
     {"engine": {"tensorParallelSize": 8}},
     {"engine": {"quantization": "fp8", "kvCacheDtype": "fp8", "prefixCaching": True}},
     {"engine": {"quantization": "awq"}, "model": {"source": "hf://a/b", "dtype": "float16"}},
+    {"engine": {"quantization": "gptq"}, "model": {"source": "hf://a/b", "dtype": "bfloat16"}},
+    {"engine": {"quantization": "awq", "kvCacheDtype": "fp8"}},
     {"engine": {"device": "cpu"}},
+    {"engine": {"device": "cpu", "quantization": "awq"}},
     {"speculative": {"draftModel": {"source": "hf://a/small"}, "numSpeculativeTokens": 4}},
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
     {"engine": {"extraArgs": ["--max-num-batched-tokens=8192", "--seed", "3"]}},
@@ -106,11 +109,6 @@ INVALID = [
     (
         {"speculative": {"draftModel": {"source": "hf://a/small"}}},
         "numSpeculativeTokens is required",
-    ),
-    ({"engine": {"quantization": "gptq", "kvCacheDtype": "fp8_e5m2"}}, "not with awq or gptq"),
-    (
-        {"engine": {"quantization": "awq"}, "model": {"source": "hf://a/b", "dtype": "bfloat16"}},
-        "float16",
     ),
     ({"engine": {"device": "cpu", "quantization": "fp8"}}, "device cpu runs with"),
     ({"engine": {"quantization": "int4"}}, "Unsupported value"),
