@@ -6,10 +6,10 @@
   GEMM and GPTQ layouts, with transcriptions of those projects' published packing loops
   (AutoAWQ ``WQLinear_GEMM.from_linear``, AutoGPTQ ``QuantLinear.pack``, and GPTQModel's
   whole-word v2 -> v1 zero-point conversion), not kvscale's packers.
-- ``write_act_order``: act-order checkpoints (a random input order per layer, groups
-  taken in that order: a ``g_idx``), in the GPTQ layout or compressed-tensors' older
-  ``weight_g_idx`` layout, with a dense checkpoint of the same dequantized weights as the
-  reference (transformers cannot run them on CPU).
+- ``write_rtn``: round-to-nearest checkpoints of a dense one, act-order among them (a
+  random input order per layer, groups taken in that order: a ``g_idx``), in the GPTQ,
+  AWQ or compressed-tensors (older ``weight_g_idx``) layout, with a dense checkpoint of
+  the same dequantized weights as the reference (transformers cannot run them on CPU).
 - ``bytes_unpack_rows``/``bytes_unpack_cols``: an unpacker independent of kvscale's
   shifts, reading nibbles from each little-endian int32's bytes as the formats describe
   them (byte ``b`` holds nibbles ``2b`` and ``2b + 1``).
@@ -298,20 +298,31 @@ def relabel(src: Path, dst: Path, **patch: Any) -> Path:
     return dst
 
 
-# ---- act order ----------------------------------------------------------------------------
-def write_act_order(
-    dense: Path, dst: Path, ref: Path, layout: str, group_size: int, sym: bool, seed: int = 0
+# ---- round to nearest (act order) ---------------------------------------------------------
+def write_rtn(
+    dense: Path,
+    dst: Path,
+    ref: Path,
+    layout: str,
+    group_size: int,
+    sym: bool,
+    act_order: bool = True,
+    seed: int = 0,
 ) -> tuple[Path, Path]:
-    """Act-order 4-bit checkpoint of the dense checkpoint ``dense``: each layer's inputs
-    visited in a random order (one per layer input: q/k/v share theirs, as gate/up do)
-    and grouped in that order (``g_idx[k]`` = position of
-    input k in the order // group_size), quantized by round-to-nearest. ``layout``:
-    ``gptq`` (v1, ``desc_act``) or ``compressed-tensors`` (``weight_g_idx``, actorder
-    group). ``ref`` gets a dense checkpoint of the dequantized weights."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    """A 4-bit checkpoint of the dense checkpoint ``dense``, quantized by round-to-nearest
+    (``int4_formats.quantize_rtn``), and in ``ref`` a dense checkpoint of the dequantized
+    weights (the reference where transformers cannot run the layout on CPU).
 
+    ``act_order``: each layer's inputs are visited in a random order (one per layer input:
+    q/k/v share theirs, as gate/up do) and grouped in that order (``g_idx[k]`` = position
+    of input k in the order // group_size). ``layout``: ``gptq`` (v1; ``desc_act`` with
+    act order), ``awq`` (no act order) or ``compressed-tensors`` (``weight_g_idx`` and
+    actorder group with act order, written by compressed-tensors' own packer). Needs
+    neither llm-compressor nor compressed-tensors for ``gptq`` and ``awq`` (GPU tests)."""
     from kvscale.server.quantization.int4_formats import quantize_rtn
 
+    if layout == "awq" and act_order:
+        raise ValueError("AWQ has no act order")
     g = torch.Generator().manual_seed(seed)
     tensors = read_tensors(dense)
     out: dict[str, torch.Tensor] = {}
@@ -323,32 +334,47 @@ def write_act_order(
             out[name] = deq[name] = t
             continue
         k = t.shape[1]
-        # GPTQ orders a layer's inputs by its Hessian, computed from the layer's input:
-        # q/k/v (and gate/up) share theirs, hence their order
-        shared = mod.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
-        shared = shared.replace("up_proj", "gate_proj")
-        order = orders.setdefault(shared, torch.randperm(k, generator=g))
-        g_idx = torch.empty(k, dtype=torch.int64)
-        g_idx[order] = torch.arange(k) // group_size
+        g_idx = torch.arange(k) // group_size
+        if act_order:
+            # GPTQ orders a layer's inputs by the Hessian of its input, which q/k/v (and
+            # gate/up) share, hence their order
+            shared = mod.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+            shared = shared.replace("up_proj", "gate_proj")
+            order = orders.setdefault(shared, torch.randperm(k, generator=g))
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[order] = torch.arange(k) // group_size
         codes, scales, zeros = quantize_rtn(t, group_size, sym, g_idx)
+        if layout != "compressed-tensors":
+            scales = scales.half().float()  # as stored: the reference uses the same values
         layer = {"codes": codes, "scales": scales, "zeros": None if sym else zeros}
-        deq[name] = dequantize(layer, g_idx)
+        deq[name] = dequantize(layer, g_idx).to(t.dtype)
         if layout == "gptq":
             out.update({f"{mod}.{k_}": v for k_, v in _gptq_tensors(layer, True, g_idx).items()})
+        elif layout == "awq":
+            out[f"{mod}.qweight"] = autoawq_pack(codes)
+            out[f"{mod}.qzeros"] = autoawq_pack(zeros)
+            out[f"{mod}.scales"] = scales.half()
         else:
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
             signed = (codes.t().contiguous().int() - 8).to(torch.int8)
             out[f"{mod}.weight_packed"] = pack_to_int32(signed, 4)
             out[f"{mod}.weight_scale"] = scales.t().contiguous()
             out[f"{mod}.weight_shape"] = torch.tensor(list(t.shape))
-            out[f"{mod}.weight_g_idx"] = g_idx.int()
+            if act_order:
+                out[f"{mod}.weight_g_idx"] = g_idx.int()
             if not sym:
                 zp = (zeros.t().contiguous().int() - 8).to(torch.int8)
                 out[f"{mod}.weight_zero_point"] = pack_to_int32(zp, 4, packed_dim=0)
     if layout == "gptq":
-        quant = _gptq_config(group_size, sym, v1=True, desc_act=True)
+        quant = _gptq_config(group_size, sym, v1=True, desc_act=act_order)
+    elif layout == "awq":
+        quant = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                 "zero_point": True, "version": "gemm"}  # fmt: skip
     else:
         weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
-                   "group_size": group_size, "actorder": "group", "dynamic": False}  # fmt: skip
+                   "group_size": group_size, "actorder": "group" if act_order else None,
+                   "dynamic": False}  # fmt: skip
         quant = {
             "quant_method": "compressed-tensors",
             "format": "pack-quantized",

@@ -69,11 +69,14 @@ def int4(
         # act order; its dense dequantized reference is "<name>-ref"
         "gptq-act-order": lambda: act("gptq-act-order", llama(), "gptq", 32, False, 0),
         "ct-act-order": lambda: act("ct-act-order", qwen2(), "compressed-tensors", 64, True, 1),
+        "awq-rtn": lambda: act("awq-rtn", qwen2(), "awq", 32, False, 0, act_order=False),
     }
 
-    def act(name: str, dense: Path, layout: str, group: int, sym: bool, seed: int) -> Path:
-        dst, ref = ck.write_act_order(
-            dense, out / name, out / f"{name}-ref", layout, group, sym, seed
+    def act(
+        name: str, dense: Path, layout: str, group: int, sym: bool, seed: int, act_order=True
+    ) -> Path:
+        dst, ref = ck.write_rtn(
+            dense, out / name, out / f"{name}-ref", layout, group, sym, act_order, seed
         )
         cache[f"{name}-ref"] = ref
         return dst
@@ -281,16 +284,18 @@ def test_gptq_symmetric_zero_is_eight_in_either_format(
 
 
 # ---- act order -------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["gptq-act-order", "ct-act-order"])
-def test_act_order_matches_the_dequantized_reference(
+@pytest.mark.parametrize("name", ["gptq-act-order", "ct-act-order", "awq-rtn"])
+def test_rtn_checkpoints_match_the_dequantized_reference(
     int4: Callable[[str], Path], name: str
 ) -> None:
+    """Act-order GPTQ and compressed-tensors checkpoints (and the AWQ layout the GPU
+    tests use) against transformers on the dense dequantized weights."""
     llm = _llm(int4(name))
     layer = _layer(llm, 0, "mlp.down_proj")
-    assert layer.w4_perm is not None and layer.w4_g_idx is None  # sorted into whole groups
+    if "act-order" in name:  # rows sorted into whole groups, activations permuted
+        assert layer.w4_perm is not None and layer.w4_g_idx is None
     worst, agree = _compare(_ours(llm), _reference(int4(f"{name}-ref")))
-    limit = FP16_SCALES_ATOL if name.startswith("gptq") else EXACT_ATOL
-    assert worst < limit, worst
+    assert worst < EXACT_ATOL, worst
     assert agree >= len(PROMPTS) - 1
 
 

@@ -12,8 +12,11 @@ which stores them in the one layout the GEMM reads (``kvscale.kernels.w4a16``):
   groups are not ``group_size`` rows each (a tensor-parallel rank's slice of an act-order
   layer), ``w4_g_idx [K]`` keeps each sorted row's group.
 
-On CUDA the GEMM is the Triton kernel; elsewhere its torch reference (the CPU path).
-Under ``torch.compile`` it is one opaque custom op, ``kvscale::w4a16_gemm``.
+The GEMM is ``layers.ops.w4a16_gemm``: the Triton kernel where the worker routes ops to
+the kernels (CUDA with the triton backend), its torch reference elsewhere (the CPU path,
+the torch backend). Under ``torch.compile`` it is one opaque custom op,
+``kvscale::w4a16_gemm`` (the kernel on CUDA, the reference elsewhere), so Inductor never
+traces the dequantization.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 
 from kvscale.kernels.w4a16 import pack_int4_rows, w4a16_gemm, w4a16_gemm_ref
 from kvscale.server.config import CheckpointError
+from kvscale.server.layers import ops
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 
 PACK = 8
@@ -161,8 +165,6 @@ class Int4LinearMethod(LinearMethod):
         )
         if torch.compiler.is_compiling():
             y = torch.ops.kvscale.w4a16_gemm(x, *args)
-        elif x.is_cuda:
-            y = w4a16_gemm(x, *args)
         else:
-            y = w4a16_gemm_ref(x, *args)
+            y = ops.w4a16_gemm(x, *args)
         return y if bias is None else y + bias
