@@ -16,7 +16,8 @@ Layout (``K`` input features, ``N`` output features, ``G`` groups):
               ``perm[k]`` (act-order: rows are stored sorted by group)
     out:      ``[M, N]`` in x's dtype
 
-    w[k, n] = (code[k, n] - zero[g(k), n]) * scale[g(k), n]    (fp32, then x's dtype)
+    w[k, n] = (code[k, n] - zero[g(k), n]) * scale[g(k), n]    (fp32, then x's dtype;
+              the kernel computes code * scale - zero * scale: one FMA per weight)
     out = x[:, perm] @ w                                        (fp32 accumulation)
 
 The kernel loads a ``[BLOCK_K/8, BLOCK_N]`` tile of packed words, shifts out the eight
@@ -278,23 +279,31 @@ def _w4a16_kernel(
         codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
         codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
 
+        # w = (code - zero) * scale, computed as one FMA: code * scale + (-zero * scale)
         if GROUP_MODE == 0:  # TILE: one scale (and zero) row for the whole tile
             g = k0 // GROUP_SIZE
-            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0)
-            s = s.to(tl.float32)[None, :]
+            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             if HAS_ZP:
                 z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0)
-                z = z.to(tl.float32)[None, :]
-        elif GROUP_MODE == 1:  # MULTI: BLOCK_K // GROUP_SIZE whole groups
-            g = k0 // GROUP_SIZE + tl.arange(0, TG)  # TG = BLOCK_K // GROUP_SIZE
+                zs = -z.to(tl.float32) * s
+            else:
+                zs = -8.0 * s
+            s = s[None, :]
+            zs = zs[None, :]
+        elif GROUP_MODE == 1:  # MULTI: TG = BLOCK_K // GROUP_SIZE whole groups
+            g = k0 // GROUP_SIZE + tl.arange(0, TG)
             gm = (g < num_groups)[:, None] & n_mask[None, :]
             s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=gm, other=0.0)
-            s = tl.broadcast_to(s.to(tl.float32)[:, None, :], (TG, GROUP_SIZE, BLOCK_N))
-            s = tl.reshape(s, (BLOCK_K, BLOCK_N))
+            s = s.to(tl.float32)
             if HAS_ZP:
                 z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :], mask=gm, other=0)
-                z = tl.broadcast_to(z.to(tl.float32)[:, None, :], (TG, GROUP_SIZE, BLOCK_N))
-                z = tl.reshape(z, (BLOCK_K, BLOCK_N))
+                zs = -z.to(tl.float32) * s
+            else:
+                zs = -8.0 * s
+            s = tl.broadcast_to(s[:, None, :], (TG, GROUP_SIZE, BLOCK_N))
+            s = tl.reshape(s, (BLOCK_K, BLOCK_N))
+            zs = tl.broadcast_to(zs[:, None, :], (TG, GROUP_SIZE, BLOCK_N))
+            zs = tl.reshape(zs, (BLOCK_K, BLOCK_N))
         else:  # ROW: a group index per row
             if HAS_GIDX:
                 g = tl.load(gidx_ptr + offs_k, mask=k_mask, other=0)
@@ -305,11 +314,10 @@ def _w4a16_kernel(
             s = s.to(tl.float32)
             if HAS_ZP:
                 z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :], mask=gm, other=0)
-                z = z.to(tl.float32)
-        if HAS_ZP:
-            w = (codes - z) * s
-        else:
-            w = (codes - 8.0) * s
+                zs = -z.to(tl.float32) * s
+            else:
+                zs = -8.0 * s
+        w = codes * s + zs
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
 
     c_mask = m_mask[:, None] & n_mask[None, :]

@@ -283,6 +283,25 @@ def test_gptq_symmetric_zero_is_eight_in_either_format(
         _llm(bad)
 
 
+def test_legacy_quantize_config_json(int4: Callable[[str], Path], tmp_path: Path) -> None:
+    """A GPTQ checkpoint whose settings are only in AutoGPTQ's quantize_config.json (no
+    quant_method, no quantization_config in config.json) loads as the same model; an
+    AutoAWQ quant_config.json is recognised by its keys."""
+    src = int4("gptq-v1-from-llama-gptq")
+    dst = tmp_path / "side-file"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    quant = cfg.pop("quantization_config")
+    del quant["quant_method"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "quantize_config.json").write_text(json.dumps(quant))
+    assert ModelConfig.from_path(dst).quantization["quant_method"] == "gptq"
+    assert _ours(_llm(dst)) == _ours(_llm(src))
+    (dst / "quantize_config.json").unlink()
+    (dst / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 128}))
+    assert ModelConfig.from_path(dst).quantization["quant_method"] == "awq"
+
+
 # ---- act order -------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["gptq-act-order", "ct-act-order", "awq-rtn"])
 def test_rtn_checkpoints_match_the_dequantized_reference(
