@@ -54,21 +54,24 @@ ROW = 2  # each row looks its group up (g_idx, or group sizes that do not tile)
 # ---- the layout ------------------------------------------------------------------------
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
     """``[K, N]`` codes (0..15, any integer dtype) -> ``[ceil(K/8), N]`` int32, row
-    ``8r + j`` in bits ``4j..4j+3`` of word row ``r`` (rows past K are zero)."""
+    ``8r + j`` in bits ``4j..4j+3`` of word row ``r`` (rows past K are zero). One nibble
+    at a time: no intermediate larger than the output (checkpoints load on the GPU)."""
     k, n = codes.shape
     rows = -(-k // PACK)
-    c = torch.zeros(rows * PACK, n, dtype=torch.int64, device=codes.device)
-    c[:k] = codes.to(torch.int64) & 0xF
-    shifts = torch.arange(0, 32, 4, device=codes.device, dtype=torch.int64).view(1, PACK, 1)
-    words = (c.view(rows, PACK, n) << shifts).sum(dim=1)
-    return (words - ((words >> 31) << 32)).to(torch.int32)  # the low 32 bits, signed
+    words = torch.zeros(rows, n, dtype=torch.int32, device=codes.device)
+    for j in range(PACK):
+        part = codes[j::PACK].to(torch.int32) & 0xF  # rows j, j+8, ... of the K rows
+        words[: part.shape[0]] |= part << (4 * j)
+    return words
 
 
 def unpack_int4_rows(qweight: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of :func:`pack_int4_rows`: ``[ceil(K/8), N]`` int32 -> ``[K, N]`` uint8."""
-    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32).view(1, PACK, 1)
-    codes = (qweight.unsqueeze(1) >> shifts) & 0xF
-    return codes.reshape(-1, qweight.shape[1])[:k].to(torch.uint8)
+    rows, n = qweight.shape
+    codes = torch.empty(rows, PACK, n, dtype=torch.uint8, device=qweight.device)
+    for j in range(PACK):
+        codes[:, j] = ((qweight >> (4 * j)) & 0xF).to(torch.uint8)
+    return codes.view(rows * PACK, n)[:k]
 
 
 def dequantize_w4(

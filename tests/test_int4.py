@@ -525,3 +525,28 @@ def test_quantization_setting_must_match_the_checkpoint(llama_ckpt: Path) -> Non
     for requested in (None, "auto", "gptq"):
         assert get_quantization(_cfg(llama_ckpt, GPTQ), requested) is not None
     assert get_quantization(_cfg(llama_ckpt, CT_W4), "compressed-tensors") is not None
+
+
+def test_torch_compile_keeps_the_w4a16_op_opaque(
+    int4: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch.compile the W4A16 GEMM is the ``kvscale::w4a16_gemm`` custom op, run
+    as is at every step (Inductor compiles around it, never traces the dequantization);
+    the compiled model gives the eager tokens."""
+    from kvscale.server.quantization import int4 as int4_method
+
+    path = int4("awq-rtn")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in _llm(path).generate(PROMPTS[:4], params)]
+    calls = []
+    reference = int4_method.w4a16_gemm_ref
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return reference(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(int4_method, "w4a16_gemm_ref", counted)  # the op's CPU body
+    compiled = _llm(path, compile=True)
+    assert "OptimizedModule" in type(compiled.engine.worker.model.model).__name__
+    assert [o.outputs[0].token_ids for o in compiled.generate(PROMPTS[:4], params)] == eager
+    assert len(calls) >= 4 * 2 * 4  # 4 linear layers x 2 decoder layers, every step

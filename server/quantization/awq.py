@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvscale.kernels.w4a16 import pack_int4_rows
 from kvscale.server.config import CheckpointError, ModelConfig
 from kvscale.server.quantization.base import LinearMethod, QuantizationConfig
 from kvscale.server.quantization.dense import DenseLinearMethod
@@ -86,7 +87,8 @@ class AwqLinearMethod(Int4LinearMethod):
         )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        n = layer.scales.shape[1]
-        codes = unpack_awq(layer.qweight.data, n)
+        k, n = layer.qweight.shape[0], layer.scales.shape[1]
+        qweight = pack_int4_rows(unpack_awq(layer.qweight.data, n))  # along K, in order
         zeros = unpack_awq(layer.qzeros.data, n)
-        self.finish(layer, codes, layer.scales.data, zeros, None, ("qweight", "qzeros", "scales"))
+        drop = ("qweight", "qzeros", "scales")
+        self.finish(layer, qweight, k, layer.scales.data, zeros, None, drop)

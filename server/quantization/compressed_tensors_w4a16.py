@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvscale.server.quantization.int4 import Int4LinearMethod, int4_param
-from kvscale.server.quantization.int4_formats import unpack_ct, unpack_ct_zeros
+from kvscale.server.quantization.int4_formats import unpack_ct_zeros
 
 PACK = 8
 SUPPORTED = (
@@ -114,11 +114,11 @@ class CompressedTensorsW4A16Method(Int4LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         n, words = layer.weight_packed.shape
-        codes = unpack_ct(layer.weight_packed.data, words * PACK)
+        qweight = layer.weight_packed.data.t().contiguous()  # [N, K/8] -> the kernel's [K/8, N]
         scales = layer.weight_scale.data.t()
         zeros = None if self.sym else unpack_ct_zeros(layer.weight_zero_point.data, n)
         g_idx = layer.weight_g_idx.data if self.act_order else None
         drop = ["weight_packed", "weight_scale"]
         drop += [] if self.sym else ["weight_zero_point"]
         drop += ["weight_g_idx"] if self.act_order else []
-        self.finish(layer, codes, scales, zeros, g_idx, tuple(drop))
+        self.finish(layer, qweight, words * PACK, scales, zeros, g_idx, tuple(drop))

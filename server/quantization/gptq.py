@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvscale.kernels.w4a16 import unpack_int4_rows
 from kvscale.server.config import CheckpointError, ModelConfig
 from kvscale.server.quantization.base import LinearMethod, QuantizationConfig
 from kvscale.server.quantization.dense import DenseLinearMethod
@@ -133,7 +132,6 @@ class GptqLinearMethod(Int4LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         k = layer.qweight.shape[0] * PACK
         n = layer.scales.shape[1]
-        codes = unpack_int4_rows(layer.qweight.data, k)
         if self.sym:
             stored = set(unpack_cols(layer.qzeros.data, n).unique().tolist())
             if not stored <= {7} and not stored <= {8}:
@@ -147,4 +145,5 @@ class GptqLinearMethod(Int4LinearMethod):
             zeros = unpack_gptq_zeros(layer.qzeros.data, n, self.v1)
         g_idx = layer.g_idx.data if self.act_order else None
         drop = ("qweight", "qzeros", "scales", *(("g_idx",) if self.act_order else ()))
-        self.finish(layer, codes, layer.scales.data, zeros, g_idx, drop)
+        # GPTQ's qweight is the kernel's packing already
+        self.finish(layer, layer.qweight.data, k, layer.scales.data, zeros, g_idx, drop)

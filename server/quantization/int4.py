@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvscale.kernels.w4a16 import pack_int4_rows, w4a16_gemm, w4a16_gemm_ref
+from kvscale.kernels.w4a16 import pack_int4_rows, unpack_int4_rows, w4a16_gemm, w4a16_gemm_ref
 from kvscale.server.config import CheckpointError
 from kvscale.server.layers import ops
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
@@ -114,29 +114,31 @@ class Int4LinearMethod(LinearMethod):
     def finish(
         self,
         layer: nn.Module,
-        codes: torch.Tensor,
+        qweight: torch.Tensor,
+        k: int,
         scales: torch.Tensor,
         zeros: torch.Tensor | None,
         g_idx: torch.Tensor | None,
         drop: tuple[str, ...],
     ) -> None:
         """Stores the kernel's layout on ``layer`` and removes the checkpoint tensors
-        ``drop``. ``codes [K, N]`` uint8, ``scales``/``zeros [G, N]``, ``g_idx [K]``."""
-        k = codes.shape[0]
+        ``drop``. ``qweight [ceil(K/8), N]`` int32 packed along the inputs (the kernel's
+        packing), ``scales``/``zeros [G, N]`` (zero points unpacked, uint8), ``g_idx [K]``
+        (act order: rows are unpacked, sorted by group and repacked)."""
         group_size = self.group_size or k
         perm = None
         if g_idx is not None:
             g_idx = g_idx.long()
-            if g_idx.numel() != k or int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]:
+            lo, hi = int(g_idx.min()), int(g_idx.max())
+            if g_idx.numel() != k or lo < 0 or hi >= scales.shape[0]:
                 raise CheckpointError(
                     f"{self.what}: g_idx must give each of the {k} input rows a group in "
-                    f"[0, {scales.shape[0]}), got values in [{int(g_idx.min())}, "
-                    f"{int(g_idx.max())}]"
+                    f"[0, {scales.shape[0]}), got {g_idx.numel()} values in [{lo}, {hi}]"
                 )
             order = torch.sort(g_idx, stable=True).indices
             g_idx = g_idx[order]
             if not torch.equal(order, torch.arange(k, device=order.device)):
-                codes = codes[order]
+                qweight = pack_int4_rows(unpack_int4_rows(qweight, k)[order])
                 perm = order.to(torch.int32)
             plain = torch.arange(k, device=g_idx.device) // group_size
             if scales.shape[0] == -(-k // group_size) and torch.equal(g_idx, plain):
@@ -145,7 +147,7 @@ class Int4LinearMethod(LinearMethod):
                 g_idx = g_idx.to(torch.int32)
         for name in drop:
             delattr(layer, name)
-        layer.w4_qweight = nn.Parameter(pack_int4_rows(codes), requires_grad=False)
+        layer.w4_qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
         layer.w4_scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
         layer.w4_zeros = (
             None if zeros is None else nn.Parameter(zeros.contiguous(), requires_grad=False)

@@ -39,25 +39,23 @@ def pack_cols(codes: torch.Tensor, order: tuple[int, ...] | None = None) -> torc
     """``[R, C]`` codes -> ``[R, ceil(C/8)]`` int32 packed along columns: nibble ``i`` of
     word ``c`` holds column ``8c + order[i]`` (in order when ``order`` is None)."""
     r, c = codes.shape
-    words = -(-c // PACK)
-    full = torch.zeros(r, words * PACK, dtype=torch.int64, device=codes.device)
-    full[:, :c] = codes.to(torch.int64) & 0xF
-    full = full.view(r, words, PACK)
-    if order is not None:
-        full = full[:, :, list(order)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
-    return _to_int32((full << shifts).sum(dim=-1))
+    words = torch.zeros(r, -(-c // PACK), dtype=torch.int32, device=codes.device)
+    for i in range(PACK):
+        col = order[i] if order is not None else i
+        part = codes[:, col::PACK].to(torch.int32) & 0xF
+        words[:, : part.shape[1]] |= part << (4 * i)
+    return words
 
 
 def unpack_cols(words: torch.Tensor, c: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Inverse of :func:`pack_cols`: ``[R, ceil(C/8)]`` int32 -> ``[R, C]`` uint8."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    nib = (words.unsqueeze(-1) >> shifts) & 0xF  # [R, W, 8]: nibble i
-    if order is not None:
-        # column 8c + order[i] sits in nibble i: gather nibble inverse[j] for column 8c + j
-        inverse = [order.index(j) for j in range(PACK)]
-        nib = nib[:, :, inverse]
-    return nib.reshape(words.shape[0], -1)[:, :c].to(torch.uint8)
+    """Inverse of :func:`pack_cols`: ``[R, ceil(C/8)]`` int32 -> ``[R, C]`` uint8 (one
+    nibble at a time: no intermediate larger than the output)."""
+    r, w = words.shape
+    codes = torch.empty(r, w, PACK, dtype=torch.uint8, device=words.device)
+    for i in range(PACK):
+        col = order[i] if order is not None else i
+        codes[:, :, col] = ((words >> (4 * i)) & 0xF).to(torch.uint8)
+    return codes.view(r, w * PACK)[:, :c]
 
 
 # ---- AWQ ---------------------------------------------------------------------------------
