@@ -9,6 +9,8 @@ loaded through the engine's real loader (and by transformers for the peer). Work
   Peer: ``generate_batch`` (continuous batching, paged attention).
 - B, offline throughput: 1,000 requests with the bench client's seeded ShareGPT-like
   lengths. Peer: ``generate_batch``.
+- int4: C with the weights rewritten to 4 bits (round-to-nearest, groups of 128) in the
+  GPTQ and AWQ layouts, against bf16's C of the same run and the 4-bit bandwidth floor.
 - D, serving: ``kvscale serve`` under ``kvscale bench serve`` (ShareGPT-like lengths,
   text prompts that both servers tokenize to the same ids) at each concurrency. Peer:
   ``transformers serve --continuous-batching`` under the same client and prompts.
@@ -88,6 +90,12 @@ C_SHAPE = (128, 256)  # prompt tokens, output tokens
 PREFIX_SHAPE = (256, 8, 1024, 128, 128)
 MULTI_TURN_SHAPE = (64, 4, 128, 128)  # conversations, turns, message, answer tokens
 CONCURRENCIES = (1, 16, 64, 256)
+# 4-bit weights: the bf16 checkpoint rewritten by round-to-nearest in each layout (GPTQ
+# symmetric v1, the common Hub layout; AWQ GEMM with zero points), groups of 128
+INT4_FORMATS = ("gptq", "awq")
+INT4_GROUP = 128
+INT4_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+INT4_TARGET = 0.45  # C with int4 weights: at most this fraction of bf16's time per token
 SEED = 0
 PEER_SERVE_TIMEOUT_S = 300  # per concurrency level: the peer is ~10x slower than we are
 
@@ -106,6 +114,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "structured",
     "piecewise",
     "serve-piecewise",
+    "int4",
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
@@ -147,6 +156,26 @@ def decode_step_floor_s(
     cache of all ``context_tokens`` (summed over the batch)."""
     kv = context_tokens * kv_bytes_per_token(cfg, elem_bytes)
     return (weight_bytes_per_step(cfg, elem_bytes) + kv) / copy_bytes_per_s
+
+
+def int4_weight_bytes_per_step(cfg: dict[str, Any], group: int, zeros: bool) -> int:
+    """Bytes one decode step reads with 4-bit linear weights: half a byte per weight, an
+    fp32 scale (and a uint8 zero point) per group of ``group`` inputs per output, and the
+    LM head and norms in bf16 (the embedding table is only gathered from)."""
+    p = param_counts(cfg)
+    h, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+    norms = 2 * h * n + h
+    linear = p["layers"] - 2 * h * n
+    per_group = 4 + (1 if zeros else 0)
+    return linear // 2 + linear // group * per_group + (p["lm_head"] + norms) * 2
+
+
+def int4_decode_floor_s(
+    cfg: dict[str, Any], context_tokens: int, copy_bytes_per_s: float, group: int, zeros: bool
+) -> float:
+    """Batch-1 step floor with 4-bit weights: their bytes plus the bf16 KV cache read."""
+    kv = context_tokens * kv_bytes_per_token(cfg)
+    return (int4_weight_bytes_per_step(cfg, group, zeros) + kv) / copy_bytes_per_s
 
 
 def throughput_bound(
@@ -331,6 +360,7 @@ def build_rows(res: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
                 "",
             )
         )
+    rows += int4_rows(res, copy_bps)
     peer_a = res.get("peer-a", {}).get("output_tok_per_s")
     if "A" in ours:
         a_bound = bounds.get("A", {}).get("output_tok_per_s")
@@ -544,6 +574,35 @@ def piecewise_rows(res: dict[str, Any], bounds: dict[str, Any]) -> list[Row]:
                 f"D c={c}, piecewise (vs default)", metric, r[key], p.get(key), None, hib, tgt
             )
             rows.append(row)
+
+
+def int4_rows(res: dict[str, Any], copy_bps: float | None) -> list[Row]:
+    """C with 4-bit weights, one row per layout: its TPOT against kvscale's own bf16 TPOT
+    (the "peer" column: the ratio is bf16 over int4) and the 4-bit bandwidth floor."""
+    int4 = res.get("int4", {})
+    bf16 = (int4.get("bf16") or res.get("ours", {})).get("latency", {}).get("tpot_ms")
+    rows = []
+    for fmt in INT4_FORMATS:
+        lat = int4.get(fmt, {}).get("latency")
+        if not lat:
+            continue
+        floor = None
+        if copy_bps:
+            zeros = fmt == "awq"
+            floor = 1e3 * int4_decode_floor_s(
+                LLAMA_31_8B, sum(C_SHAPE), copy_bps, INT4_GROUP, zeros
+            )
+        rows.append(
+            Row(
+                f"C int4 {fmt} (peer: kvscale bf16)",
+                "TPOT (ms)",
+                lat["tpot_ms"],
+                bf16,
+                floor,
+                False,
+                f"<= {INT4_TARGET}x bf16",
+            )
+        )
     return rows
 
 
@@ -1007,6 +1066,97 @@ def phase_serve_piecewise(ckpt: Path, out_dir: Path, concurrencies: list[int]) -
     }
 
 
+def write_int4_checkpoint(
+    src: Path, dst: Path, fmt: str, group: int = INT4_GROUP, device: str = "cuda"
+) -> Path:
+    """``src`` (a sharded bf16 checkpoint) with every linear layer quantized to 4 bits by
+    round-to-nearest on ``device``, written in the ``gptq`` (symmetric, v1) or ``awq``
+    (GEMM, zero points) layout, shard by shard; other tensors are copied. The packing is
+    kvscale's (``int4_formats``), checked against the formats' published packers in
+    tests/test_int4_formats.py."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kvscale.server.quantization.int4_formats import pack_awq, pack_gptq, quantize_rtn
+
+    if fmt not in INT4_FORMATS:
+        raise ValueError(f"fmt must be one of {INT4_FORMATS}, got {fmt!r}")
+    tmp = dst.with_name(dst.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map: dict[str, str] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        out: dict[str, Any] = {}
+        with safe_open(str(src / shard), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                mod, _, leaf = name.rpartition(".")
+                if leaf != "weight" or mod.rpartition(".")[2] not in INT4_LINEARS:
+                    out[name] = t
+                    continue
+                codes, scales, zeros = quantize_rtn(t.to(device), group, sym=fmt == "gptq")
+                if fmt == "gptq":
+                    qweight, qzeros = pack_gptq(codes, zeros, v1=True)
+                    k = t.shape[1]
+                    out[f"{mod}.g_idx"] = (torch.arange(k) // group).int()
+                else:
+                    qweight, qzeros = pack_awq(codes), pack_awq(zeros)
+                out[f"{mod}.qweight"] = qweight.cpu()
+                out[f"{mod}.qzeros"] = qzeros.cpu()
+                out[f"{mod}.scales"] = scales.half().cpu()
+        save_file(out, str(tmp / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, shard))
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+    )
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            (tmp / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    if fmt == "gptq":
+        quant = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                 "sym": True, "checkpoint_format": "gptq"}  # fmt: skip
+    else:
+        quant = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                 "version": "gemm"}  # fmt: skip
+    cfg["quantization_config"] = quant
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tmp.rename(dst)
+    return dst
+
+
+def phase_int4(ckpt: Path, out_dir: Path) -> dict[str, Any]:
+    """C (batch-1 TPOT) with 4-bit weights in each layout, written from the bf16
+    checkpoint on first use, and bf16's C from the ``ours`` phase of this run (measured
+    here when that phase has not run)."""
+    res: dict[str, Any] = {"group_size": INT4_GROUP}
+    ours = out_dir / "phase_ours.json"
+    if ours.is_file() and "latency" in json.loads(ours.read_text()):
+        res["bf16"] = {"latency": json.loads(ours.read_text())["latency"], "from": "ours"}
+    else:
+        llm = _llm(ckpt, cuda_graph_max_batch=16)
+        res["bf16"] = {"latency": _latency(llm), "from": "int4"}
+        del llm
+        _free_gpu()
+    for fmt in INT4_FORMATS:
+        path = ckpt.with_name(f"{ckpt.name}-{fmt}")
+        t0 = time.perf_counter()
+        if not path.is_dir():
+            write_int4_checkpoint(ckpt, path, fmt)
+        written = time.perf_counter()
+        llm = _llm(path, cuda_graph_max_batch=16)
+        res[fmt] = {
+            "write_s": written - t0,
+            "load_s": time.perf_counter() - written,
+            "kv_blocks": llm.engine.block_manager.num_blocks,
+            "latency": _latency(llm),
+        }
+        del llm
+        _free_gpu()
+    return res
+
+
 def phase_peer_latency(ckpt: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -1451,6 +1601,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve-piecewise": lambda: phase_serve_piecewise(
             ckpt, out, [int(c) for c in args.piecewise_concurrency.split(",")]
         ),
+        "int4": lambda: phase_int4(ckpt, out),
     }
     for name in phases:
         path = out / f"phase_{name}.json"

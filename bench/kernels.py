@@ -6,7 +6,14 @@ Achieved bandwidth (bytes moved / time) or TFLOP/s is printed next to ceilings m
 the same run: a large device-to-device copy (bytes read + written / time) and an 8192^3 bf16
 matmul. Results go to ``<out-dir>/kernels.json`` and ``<out-dir>/kernels.md``.
 
-    python bench/kernels.py [--out-dir bench/results] [--quick]
+    python bench/kernels.py [--out-dir bench/results] [--quick] [--only w4a16]
+                            [--w4a16-sweep]
+
+The W4A16 GEMM (4-bit weights, groups of 128 with zero points) runs at each linear layer
+of the 8B model: decode batches of 1 and 16 rows (CUDA-graph timed, bytes over the copy
+ceiling) and a 4,096-token prefill (FLOP/s over the matmul ceiling), each next to the
+bf16 ``torch.matmul`` of the same shape; ``--w4a16-sweep`` times alternative decode
+tile/split configs and writes ``w4a16_sweep.json``.
 
 Importing this module needs neither CUDA nor Triton; the byte/FLOP arithmetic and the
 table formatting are plain functions (tested on CPU by tests/test_bench_kernels.py).
@@ -41,6 +48,20 @@ ROPE_SCALING = {
 }
 ELEMENTWISE_TOKENS = 8192
 MAX_REL_ERROR = 2e-2
+# W4A16 GEMM: the 8B model's linear layers as (name, K, N), groups of 128 with zero points
+W4A16_LAYERS = (
+    ("qkv", HIDDEN, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM),
+    ("o", NUM_HEADS * HEAD_DIM, HIDDEN),
+    ("gate_up", HIDDEN, 2 * INTERMEDIATE),
+    ("down", INTERMEDIATE, HIDDEN),
+)
+W4A16_GROUP = 128
+W4A16_DECODE_M = (1, 16)
+W4A16_PREFILL_M = 4096
+# decode configs the sweep tries beside the heuristic's (BLOCK_N, BLOCK_K, num_warps,
+# num_stages); SPLIT_K is the heuristic's and its half and double
+W4A16_SWEEP = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3),
+               (128, 256, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4))  # fmt: skip
 
 COPY = "copy"
 MATMUL = "matmul"
@@ -55,6 +76,10 @@ TARGETS: dict[str, tuple[str, float, bool]] = {
     "rotary_embedding": (COPY, 0.75, True),
     "silu_and_mul": (COPY, 0.75, True),
     "write_kv_cache": (COPY, 0.75, True),
+    # 4-bit weights: decode reads ~a quarter of bf16's bytes; prefill dequantizes in
+    # registers and should keep most of the bf16 matmul rate
+    "w4a16_decode": (COPY, 0.50, True),
+    "w4a16_prefill": (MATMUL, 0.50, True),
 }
 
 
@@ -109,6 +134,14 @@ def silu_and_mul_bytes(tokens: int, intermediate: int, elem_bytes: int) -> int:
 def write_kv_cache_bytes(tokens: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """Read new K and V, write them to the cache, read an int64 slot per token."""
     return 4 * tokens * num_kv_heads * head_dim * elem_bytes + 8 * tokens
+
+
+def w4a16_bytes(m: int, k: int, n: int, group: int, zeros: bool, elem_bytes: int = 2) -> int:
+    """A W4A16 product ``[m, k] x [k, n]`` moves the packed weight (half a byte each), the
+    fp32 scales and uint8 zero points of its groups, the activations and the output."""
+    groups = -(-k // group)
+    weight = k * n // 2 + groups * n * (4 + (1 if zeros else 0))
+    return weight + (m * k + m * n) * elem_bytes
 
 
 def copy_bytes(nbytes: int) -> int:
@@ -206,6 +239,21 @@ def format_markdown(meta: dict[str, Any], ceilings: dict[str, float], results: l
             f"| {r.ceiling:.1f} {r.unit} ({r.ceiling_name}) | {r.fraction:.1%} "
             f"| {format_target(r)} | {r.rel_error:.1e} | {status} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def format_sweep(rows: list[dict[str, Any]]) -> str:
+    """Per layer: the heuristic's decode time, the fastest config's and its settings."""
+    lines = ["| layer | M | heuristic (us) | best (us) | best config |", "|---|---:|---:|---:|---|"]
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+        timed = [r for r in rows if r["layer"] == layer and "us" in r]
+        if not timed:
+            continue
+        base = next((r for r in timed if r["heuristic"]), None)
+        best = min(timed, key=lambda r: r["us"])
+        cfg = " ".join(f"{k}={v}" for k, v in best["config"].items())
+        base_us = f"{base['us']:.1f}" if base else "n/a"
+        lines.append(f"| {layer} | {best['m']} | {base_us} | {best['us']:.1f} | {cfg} |")
     return "\n".join(lines) + "\n"
 
 
@@ -432,11 +480,119 @@ class Bench:
         )
         return results
 
+    # ---- W4A16 ---------------------------------------------------------------------------
+    def _w4a16_operands(self, m: int, k: int, n: int) -> dict[str, Any]:
+        g = -(-k // W4A16_GROUP)
+        dev = self.device
+        return {
+            "x": torch.randn(m, k, dtype=self.dtype, device=dev),
+            "qweight": torch.randint(
+                -(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev
+            ),
+            "scales": torch.rand(g, n, device=dev) * 0.01 + 1e-3,
+            "zeros": torch.randint(0, 16, (g, n), dtype=torch.uint8, device=dev),
+        }
+
+    def w4a16(self, layer: str, m: int, k: int, n: int, ceilings: dict[str, float]) -> Result:
+        from kvscale.kernels import w4a16
+        from kvscale.kernels.testing import rel_error
+
+        ops = self._w4a16_operands(m, k, n)
+        x, qw, s, z = ops["x"], ops["qweight"], ops["scales"], ops["zeros"]
+
+        def run() -> torch.Tensor:
+            return w4a16.w4a16_gemm(x, qw, s, z, W4A16_GROUP)
+
+        err = rel_error(run(), w4a16.w4a16_gemm_ref(x, qw, s, z, W4A16_GROUP))
+        dense = w4a16.dequantize_w4(qw, s, z, W4A16_GROUP, k).to(self.dtype)
+        decode = m <= max(W4A16_DECODE_M)
+        timer = self.time_graph_ms if decode else self.time_ms
+        ms = timer(run)
+        bf16_ms = timer(lambda: torch.matmul(x, dense))
+        cfg = w4a16.w4a16_config(m, n, k, self.device)
+        shape = (
+            f"{layer} M={m} K={k} N={n} g={W4A16_GROUP} BM={cfg['BLOCK_M']} "
+            f"BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} split={cfg['SPLIT_K']}; "
+            f"bf16 matmul {bf16_ms * 1e3:.1f} us ({bf16_ms / ms:.2f}x)"
+        )
+        if decode:
+            amount = w4a16_bytes(m, k, n, W4A16_GROUP, zeros=True)
+            return make_result("w4a16_decode", shape, ms, amount, err, ceilings)
+        return make_result("w4a16_prefill", shape, ms, matmul_flops(m, n, k), err, ceilings)
+
+    def w4a16_sweep(
+        self, layer: str, m: int, k: int, n: int, ceilings: dict[str, float]
+    ) -> list[dict[str, Any]]:
+        """Graph-timed decode configs around the heuristic's: which wins, by how much."""
+        from kvscale.kernels import w4a16
+
+        ops = self._w4a16_operands(m, k, n)
+        x, qw, s, z = ops["x"], ops["qweight"], ops["scales"], ops["zeros"]
+        base = w4a16.w4a16_config(m, n, k, self.device)
+        configs = [dict(base)]
+        for bn, bk, warps, stages in W4A16_SWEEP:
+            for split in {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}:
+                configs.append(
+                    dict(
+                        BLOCK_M=base["BLOCK_M"],
+                        BLOCK_N=bn,
+                        BLOCK_K=bk,
+                        SPLIT_K=split,
+                        num_warps=warps,
+                        num_stages=stages,
+                    )
+                )
+        rows = []
+        nbytes = w4a16_bytes(m, k, n, W4A16_GROUP, zeros=True)
+        for i, cfg in enumerate(configs):
+            try:
+                ms = self.time_graph_ms(
+                    lambda cfg=cfg: w4a16.w4a16_gemm(x, qw, s, z, W4A16_GROUP, config=cfg)
+                )
+            except Exception as e:  # a config that does not compile (shared memory)
+                rows.append({"layer": layer, "m": m, "config": cfg, "error": repr(e)[:200]})
+                continue
+            rows.append(
+                {
+                    "layer": layer,
+                    "m": m,
+                    "config": cfg,
+                    "heuristic": i == 0,
+                    "us": ms * 1e3,
+                    "gb_per_s": gb_per_s(nbytes, ms),
+                    "fraction_of_copy": gb_per_s(nbytes, ms) / ceilings[COPY],
+                }
+            )
+        return rows
+
+
+def w4a16_cases(
+    bench: Bench, ceilings: dict[str, float], sweep: bool
+) -> tuple[list[Result], list[dict[str, Any]]]:
+    """The W4A16 GEMM at each 8B layer shape: decode batches (1 and 16 rows, graph-timed)
+    and a 4,096-token prefill, with the bf16 ``torch.matmul`` of the same shape for
+    comparison; ``sweep`` also times alternative decode configs (returned as rows)."""
+    results: list[Result] = []
+    rows: list[dict[str, Any]] = []
+    for layer, k, n in W4A16_LAYERS:
+        for m in (*W4A16_DECODE_M, W4A16_PREFILL_M):
+            results.append(bench.w4a16(layer, m, k, n, ceilings))
+            if sweep and m == 1:
+                rows += bench.w4a16_sweep(layer, m, k, n, ceilings)
+            torch.cuda.empty_cache()
+    return results, rows
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    parser.add_argument(
+        "--only", default="", help="comma list of groups to run: attention, elementwise, w4a16"
+    )
+    parser.add_argument(
+        "--w4a16-sweep", action="store_true", help="also time alternative W4A16 decode configs"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -454,12 +610,27 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = bench.ceilings()
     print(f"copy {ceilings[COPY]:.1f} GB/s, matmul {ceilings[MATMUL]:.1f} TFLOP/s", flush=True)
     results: list[Result] = []
-    cases: list[Callable[[], list[Result]]] = [
-        lambda: [bench.decode(64, 4096, 16, ceilings, "paged_decode")],
-        lambda: [bench.decode(1, 32768, 16, ceilings, "paged_decode_split")],
-        lambda: [bench.prefill(8, 2048, ceilings)],
-        lambda: bench.elementwise(ceilings),
-    ]
+    sweep: list[dict[str, Any]] = []
+
+    def w4a16_group() -> list[Result]:
+        found, rows = w4a16_cases(bench, ceilings, args.w4a16_sweep)
+        sweep.extend(rows)
+        return found
+
+    groups: dict[str, list[Callable[[], list[Result]]]] = {
+        "attention": [
+            lambda: [bench.decode(64, 4096, 16, ceilings, "paged_decode")],
+            lambda: [bench.decode(1, 32768, 16, ceilings, "paged_decode_split")],
+            lambda: [bench.prefill(8, 2048, ceilings)],
+        ],
+        "elementwise": [lambda: bench.elementwise(ceilings)],
+        "w4a16": [w4a16_group],
+    }
+    chosen = [g for g in args.only.split(",") if g] or list(groups)
+    unknown = set(chosen) - set(groups)
+    if unknown:
+        parser.error(f"--only: unknown groups {sorted(unknown)}; known: {', '.join(groups)}")
+    cases = [case for g in chosen for case in groups[g]]
     for case in cases:
         for r in case():
             results.append(r)
@@ -474,6 +645,11 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "kernels.json").write_text(to_json(meta, ceilings, results) + "\n")
     (args.out_dir / "kernels.md").write_text(format_markdown(meta, ceilings, results))
     print(f"wrote {args.out_dir / 'kernels.json'} and {args.out_dir / 'kernels.md'}")
+    if sweep:
+        (args.out_dir / "w4a16_sweep.json").write_text(
+            json.dumps({"meta": meta, "ceilings": ceilings, "rows": sweep}, indent=2) + "\n"
+        )
+        print(format_sweep(sweep))
     return 0
 
 

@@ -444,25 +444,6 @@ def _parse_lifecycle(raw: Mapping[str, Any]) -> LifecycleSpec:
     )
 
 
-def _check_combinations(spec: LLMDeploymentSpec) -> None:
-    """The cross-field rules that the CRD states as CEL ``x-kubernetes-validations``."""
-    eng = spec.engine
-    if eng.device == "cpu":  # tensorParallelSize > 1 runs one gloo process per rank
-        if eng.quantization not in ("none", "fp8"):
-            raise _err("spec.engine", f"quantization {eng.quantization} needs device cuda")
-    if eng.kv_cache_dtype != "auto" and eng.quantization in ("awq", "gptq"):
-        raise _err(
-            "spec.engine",
-            f"kvCacheDtype {eng.kv_cache_dtype} is not supported with {eng.quantization} "
-            "weights; use quantization none or fp8, or kvCacheDtype auto",
-        )
-    if eng.quantization in ("awq", "gptq") and spec.model.dtype not in ("auto", "float16"):
-        raise _err(
-            "spec.model.dtype",
-            f"{eng.quantization} kernels run in float16; use dtype auto or float16",
-        )
-
-
 def parse_spec(raw: Mapping[str, Any] | None) -> LLMDeploymentSpec:
     """Parse and default ``spec``; raise :class:`SpecError` naming the bad field."""
     if not isinstance(raw, Mapping):
@@ -500,7 +481,6 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMDeploymentSpec:
         service_account_name=_str(raw, "serviceAccountName", "spec"),
         env=tuple(dict(e) for e in env),
     )
-    _check_combinations(spec)
     return spec
 
 

@@ -209,8 +209,9 @@ class EngineConfig:
     quantization: str | None = setting(
         None,
         "auto (default: as the checkpoint's config.json says) | none | fp8 (FP8 W8A8; on a "
-        "dense checkpoint, quantized at load) | compressed-tensors",
-        choices=("auto", "none", "fp8", "compressed-tensors"),
+        "dense checkpoint, quantized at load) | compressed-tensors | awq | gptq (4-bit "
+        "weight checkpoints)",
+        choices=("auto", "none", "fp8", "compressed-tensors", "awq", "gptq"),
     )
     kv_cache_dtype: str = setting(
         "auto",
@@ -514,6 +515,10 @@ class ModelConfig:
             cfg = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+        if not cfg.get("quantization_config"):
+            legacy = legacy_quantization_config(p)
+            if legacy is not None:
+                cfg["quantization_config"] = legacy
         try:
             return cls.from_dict(cfg)
         except KeyError as e:
@@ -538,6 +543,28 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
         why = f"intermediate_size={model.intermediate_size} is not divisible by it"
     if why:
         raise ValueError(f"tensor_parallel_size={tp} cannot shard this model: {why}")
+
+
+def legacy_quantization_config(path: Path) -> dict[str, Any] | None:
+    """The quantization settings that AutoGPTQ (``quantize_config.json``) and AutoAWQ
+    (``quant_config.json``) keep beside ``config.json``, for checkpoints whose config.json
+    has no ``quantization_config`` (vLLM reads them too); ``quant_method`` is inferred
+    when absent (AutoAWQ's keys: ``w_bit``, ``q_group_size``, ``zero_point``, ``version``)."""
+    for name in ("quantize_config.json", "quant_config.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            raw = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{f} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{f} must hold a JSON object")
+        if "quant_method" not in raw:
+            awq = any(k in raw for k in ("w_bit", "q_group_size", "zero_point", "version"))
+            raw["quant_method"] = "awq" if awq else "gptq"
+        return raw
+    return None
 
 
 def resolve_model_path(model: str) -> str:

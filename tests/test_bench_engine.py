@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -290,3 +291,66 @@ def test_profile_step_records_the_graph_each_launch_replays() -> None:
     timed(SimpleNamespace(new_tokens_per_seq=[20], num_tokens=20, graph_size=0))
     assert cur["graph"] == "eager"
     assert ps._fmt({"launch_ms": 1.234, "graph": "eager"}) == "launch_ms 1.23, graph eager"
+
+
+def test_int4_floor_is_about_a_third_of_bf16s() -> None:
+    cfg = eb.LLAMA_31_8B
+    p = eb.param_counts(cfg)
+    linear = p["layers"] - 2 * 4096 * 32
+    sym = eb.int4_weight_bytes_per_step(cfg, 128, zeros=False)
+    assert sym == linear // 2 + linear // 128 * 4 + (p["lm_head"] + 2 * 4096 * 32 + 4096) * 2
+    assert eb.int4_weight_bytes_per_step(cfg, 128, zeros=True) == sym + linear // 128
+    ratio = eb.int4_decode_floor_s(cfg, 0, 3e12, 128, False) / eb.decode_step_floor_s(cfg, 0, 3e12)
+    assert 0.3 < ratio < 0.35  # the bf16 LM head keeps it above a quarter
+    assert eb.int4_decode_floor_s(cfg, 384, 3e12, 128, True) > eb.int4_decode_floor_s(
+        cfg, 0, 3e12, 128, True
+    )
+
+
+def test_int4_rows_compare_with_bf16_of_the_same_run() -> None:
+    res = {
+        "ceilings": {"copy": 3000.0, "matmul": 700.0},
+        "ours": {"latency": {"tpot_ms": 6.0, "ttft_ms": 20.0}},
+        "int4": {"gptq": {"latency": {"tpot_ms": 2.5}}, "awq": {"latency": {"tpot_ms": 2.7}}},
+    }
+    rows = [r for r in eb.build_rows(res)[0] if r.workload.startswith("C int4")]
+    assert [r.workload for r in rows] == [
+        "C int4 gptq (peer: kvscale bf16)",
+        "C int4 awq (peer: kvscale bf16)",
+    ]
+    assert rows[0].ours == 2.5 and rows[0].peer == 6.0 and rows[0].target == "<= 0.45x bf16"
+    assert 1.5 < rows[0].bound < 1.7  # 4.8 GB over 3 TB/s
+    table = eb.format_table(rows)
+    assert "| 2.40x |" in table  # bf16 / int4
+    res["int4"]["bf16"] = {"latency": {"tpot_ms": 5.0}}  # measured in the int4 phase
+    assert eb.int4_rows(res, 3e12)[0].peer == 5.0
+
+
+def test_int4_checkpoint_writer_on_cpu(tmp_path: Path) -> None:
+    """The int4 phase's writer on a small sharded checkpoint: kvscale loads both layouts
+    and its weights are the round-to-nearest ones (fp16-stored scales)."""
+    import torch
+
+    from kvscale.kernels.w4a16 import dequantize_w4
+    from kvscale.server import LLM, SamplingParams
+    from kvscale.server.demo_model import build_checkpoint
+    from kvscale.server.quantization.int4_formats import quantize_rtn
+
+    src = build_checkpoint(tmp_path / "dense", arch="llama", max_shard_size="2MB")
+    assert (src / "model.safetensors.index.json").is_file()
+    ref = LLM(str(src), device="cpu", num_kv_blocks=64).engine.worker.model
+    w = ref.model.layers[1].mlp.down_proj.weight.detach()
+    for fmt in eb.INT4_FORMATS:
+        dst = eb.write_int4_checkpoint(src, tmp_path / fmt, fmt, group=128, device="cpu")
+        cfg = json.loads((dst / "config.json").read_text())
+        assert cfg["quantization_config"]["quant_method"] == fmt
+        llm = LLM(str(dst), device="cpu", num_kv_blocks=64)
+        layer = llm.engine.worker.model.model.layers[1].mlp.down_proj
+        got = dequantize_w4(layer.w4_qweight, layer.w4_scales, layer.w4_zeros, 128, w.shape[1])
+        codes, scales, zeros = quantize_rtn(w, 128, sym=fmt == "gptq")
+        want = (
+            codes.float() - zeros.float().repeat_interleave(128, 0)
+        ) * scales.half().float().repeat_interleave(128, 0)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4

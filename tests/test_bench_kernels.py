@@ -129,3 +129,29 @@ def test_main_without_cuda_exits_cleanly(bench: ModuleType, tmp_path: Path) -> N
         pytest.skip("has CUDA: main would run the benchmark")
     assert bench.main(["--out-dir", str(tmp_path), "--quick"]) == 2
     assert not list(tmp_path.iterdir())
+
+
+def test_w4a16_bytes_and_shapes(bench: ModuleType) -> None:
+    # 8B down_proj at batch 1: 14336 x 4096 half-byte weights, 112 groups of fp32 scales
+    # and uint8 zeros per column, bf16 activations in and out
+    k, n = 14336, 4096
+    want = k * n // 2 + 112 * n * 5 + (k + n) * 2
+    assert bench.w4a16_bytes(1, k, n, 128, zeros=True) == want
+    assert bench.w4a16_bytes(1, k, n, 128, zeros=False) == want - 112 * n
+    assert bench.w4a16_bytes(1, 200, 8, 128, zeros=False) == 200 * 8 // 2 + 2 * 8 * 4 + 208 * 2
+    layers = {name: (k, n) for name, k, n in bench.W4A16_LAYERS}
+    assert layers["qkv"] == (4096, 6144) and layers["gate_up"] == (4096, 28672)
+    assert layers["down"] == (14336, 4096) and layers["o"] == (4096, 4096)
+
+
+def test_w4a16_sweep_table(bench: ModuleType) -> None:
+    cfg = {"BLOCK_N": 64, "SPLIT_K": 4}
+    rows = [
+        {"layer": "qkv", "m": 1, "config": cfg, "heuristic": True, "us": 10.0},
+        {"layer": "qkv", "m": 1, "config": {**cfg, "SPLIT_K": 8}, "heuristic": False, "us": 8.0},
+        {"layer": "qkv", "m": 1, "config": cfg, "error": "out of resources"},
+        {"layer": "o", "m": 1, "config": cfg, "error": "out of resources"},
+    ]
+    lines = bench.format_sweep(rows).splitlines()
+    assert lines[2] == "| qkv | 1 | 10.0 | 8.0 | BLOCK_N=64 SPLIT_K=8 |"
+    assert len(lines) == 3  # "o" had no timed config

@@ -8,12 +8,13 @@ kernels' (see each kernel module's docstring).
 
 from __future__ import annotations
 
-from kvscale.kernels import activation, rmsnorm, rotary
+from kvscale.kernels import activation, rmsnorm, rotary, w4a16
 
 rms_norm = rmsnorm.rms_norm_ref
 fused_add_rms_norm = rmsnorm.fused_add_rms_norm_ref
 silu_and_mul = activation.silu_and_mul_ref
 rotary_embedding = rotary.rotary_embedding_ref
+w4a16_gemm = w4a16.w4a16_gemm_ref
 
 
 def use_kernels(enabled: bool) -> None:
@@ -24,4 +25,5 @@ def use_kernels(enabled: bool) -> None:
         fused_add_rms_norm=getattr(rmsnorm, "fused_add_rms_norm" + suffix),
         silu_and_mul=getattr(activation, "silu_and_mul" + suffix),
         rotary_embedding=getattr(rotary, "rotary_embedding" + suffix),
+        w4a16_gemm=getattr(w4a16, "w4a16_gemm" + suffix),
     )

@@ -10,16 +10,20 @@ it were dense.
 from __future__ import annotations
 
 from kvscale.server.config import CheckpointError, ModelConfig
+from kvscale.server.quantization.awq import AwqConfig
 from kvscale.server.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
 from kvscale.server.quantization.compressed_tensors import CompressedTensorsConfig
 from kvscale.server.quantization.dense import DenseLinearMethod
 from kvscale.server.quantization.fp8 import Fp8OnlineLinearMethod
+from kvscale.server.quantization.gptq import GptqConfig
 from kvscale.server.quantization.hf_fp8 import HfFp8Config
 
 __all__ = [
+    "AwqConfig",
     "CompressedTensorsConfig",
     "DenseLinearMethod",
     "Fp8OnlineConfig",
+    "GptqConfig",
     "HfFp8Config",
     "LinearMethod",
     "QuantizationConfig",
@@ -28,7 +32,9 @@ __all__ = [
 ]
 
 SUPPORTED = (
-    "compressed-tensors (FP8 float-quantized)",
+    "compressed-tensors (FP8 float-quantized, W4A16 pack-quantized)",
+    "awq (AutoAWQ GEMM, 4-bit)",
+    "gptq (4-bit, v1 and v2)",
     "fp8 (block-wise FP8 checkpoints, or quantized at load from a dense one)",
 )
 
@@ -62,19 +68,24 @@ def get_quantization(model: ModelConfig, requested: str | None) -> QuantizationC
             "dense (use quantization='fp8' to quantize it at load)"
         )
     if method == "compressed-tensors":
-        if requested not in (None, "auto", "fp8", "compressed-tensors"):
-            raise CheckpointError(
-                f"quantization={requested!r} does not match the checkpoint's {method!r}"
-            )
-        return CompressedTensorsConfig(raw)
-    if method == "fp8":
-        if requested not in (None, "auto", "fp8"):
-            raise CheckpointError(
-                f"quantization={requested!r} does not match the checkpoint's {method!r}"
-            )
-        return HfFp8Config(raw)
-    raise CheckpointError(
-        f"the checkpoint is quantized with quant_method={method!r}, which kvscale cannot "
-        f"load yet (supported: {', '.join(SUPPORTED)}); loading it as dense weights would "
-        "produce garbage"
-    )
+        ct = CompressedTensorsConfig(raw)
+        config: QuantizationConfig = ct
+        allowed = {None, "auto", method, "fp8" if ct.w4a16 is None else method}
+    elif method == "awq":
+        config, allowed = AwqConfig(raw, model), {None, "auto", method}
+    elif method == "gptq":
+        config, allowed = GptqConfig(raw, model), {None, "auto", method}
+    elif method == "fp8":
+        config, allowed = HfFp8Config(raw), {None, "auto", method}
+    else:
+        raise CheckpointError(
+            f"the checkpoint is quantized with quant_method={method!r}, which kvscale cannot "
+            f"load yet (supported: {', '.join(SUPPORTED)}); loading it as dense weights would "
+            "produce garbage"
+        )
+    if requested not in allowed:
+        raise CheckpointError(
+            f"quantization={requested!r} does not match the checkpoint's {method!r} "
+            f"({config.describe()})"
+        )
+    return config

@@ -310,3 +310,23 @@ def test_rendered_command_lines_parse_with_the_cli(
         assert ctr["command"] == ["kvscale"]
         args = build_parser().parse_args(ctr["args"])
         assert args.command == "serve"
+
+
+@pytest.mark.parametrize("quantization", ["awq", "gptq"])
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", "float32"), ("cuda", "bfloat16")])
+def test_4bit_quantization_renders_flags_the_server_accepts(
+    make_llmd: MakeLLMD, quantization: str, device: str, dtype: str
+) -> None:
+    """awq/gptq are admitted on either device and any dtype (the W4A16 GEMM runs fp16,
+    bf16 and fp32 activations; its torch reference is the CPU path), and the server's
+    own flag check takes what the operator renders."""
+    from kvscale.server.api.launcher import check_flags
+
+    spec = {
+        "model": {"source": "hf://a/b", "dtype": dtype},
+        "engine": {"device": device, "quantization": quantization},
+    }
+    _, _, objs = _render(make_llmd, spec)
+    args = build_parser().parse_args(_container(_pod(objs))["args"])
+    cfg = check_flags(args)
+    assert cfg.quantization == quantization and cfg.dtype == dtype and cfg.device == device

@@ -72,22 +72,6 @@ def test_sources(source: str, scheme: str, name: str) -> None:
             "required",
         ),
         (
-            {
-                "model": {"source": "hf://a/b"},
-                "engine": {"quantization": "awq", "kvCacheDtype": "fp8"},
-            },
-            "spec.engine",
-            "not supported with awq",
-        ),
-        (
-            {
-                "model": {"source": "hf://a/b", "dtype": "bfloat16"},
-                "engine": {"quantization": "gptq"},
-            },
-            "spec.model.dtype",
-            "float16",
-        ),
-        (
             {"model": {"source": "hf://a/b"}, "engine": {"extraArgs": ["--port", "9000"]}},
             "extraArgs",
             "could set --port, which the operator sets",

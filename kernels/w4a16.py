@@ -1,0 +1,414 @@
+"""W4A16 GEMM: 16-bit activations times 4-bit weights, dequantized in registers.
+
+One weight layout serves every 4-bit checkpoint format (AWQ, GPTQ, compressed-tensors
+``pack-quantized``): the linear methods repack into it once, at load.
+
+Layout (``K`` input features, ``N`` output features, ``G`` groups):
+    x:        ``[M, K]`` fp16 / bf16 / fp32 (or ``[..., K]``; last dim contiguous)
+    qweight:  ``[ceil(K/8), N]`` int32; bits ``4j..4j+3`` of ``qweight[r, n]`` hold the
+              unsigned code (0..15) of weight row ``k = 8r + j``, column ``n``
+    scales:   ``[G, N]`` float (fp32 as the methods store them; any float dtype works)
+    zeros:    ``[G, N]`` uint8 zero points (0..15), or None: symmetric, every zero is 8
+    group_size: rows per group; row ``k`` is in group ``k // group_size``, or in
+              ``g_idx[k]`` when ``g_idx`` (``[K]`` int32) is given (act-order checkpoints
+              whose rows, once sorted by group, do not form equal contiguous groups)
+    perm:     ``[K]`` int32 or None: weight row ``k`` multiplies activation column
+              ``perm[k]`` (act-order: rows are stored sorted by group)
+    out:      ``[M, N]`` in x's dtype
+
+    w[k, n] = (code[k, n] - zero[g(k), n]) * scale[g(k), n]    (fp32, then x's dtype;
+              the kernel computes code * scale - zero * scale: one FMA per weight)
+    out = x[:, perm] @ w                                        (fp32 accumulation)
+
+The kernel loads a ``[BLOCK_K/8, BLOCK_N]`` tile of packed words, shifts out the eight
+nibbles of each word into a ``[BLOCK_K, BLOCK_N]`` tile, applies the group's zero point
+and scale, rounds to the activation dtype and feeds ``tl.dot``. Decode-sized batches use
+split-K (each program sums a slice of K into an fp32 partial; a second kernel adds the
+slices and casts), so that a few output tiles still occupy every SM; prefill-sized
+batches use larger tiles and no split. :func:`w4a16_config` picks tiles and splits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kvscale.kernels._utils import dot_precision, is_interpreter, num_sms
+
+PACK = 8  # 4-bit codes per int32
+SYMMETRIC_ZERO = 8
+ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
+TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
+MAX_SPLIT_K = 16
+
+# how a K tile finds its groups (the GROUP_MODE constexpr)
+TILE = 0  # the whole tile lies in one group
+MULTI = 1  # the tile holds BLOCK_K // group_size whole groups
+ROW = 2  # each row looks its group up (g_idx, or group sizes that do not tile)
+
+
+# ---- the layout ------------------------------------------------------------------------
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """``[K, N]`` codes (0..15, any integer dtype) -> ``[ceil(K/8), N]`` int32, row
+    ``8r + j`` in bits ``4j..4j+3`` of word row ``r`` (rows past K are zero). One nibble
+    at a time: no intermediate larger than the output (checkpoints load on the GPU)."""
+    k, n = codes.shape
+    rows = -(-k // PACK)
+    words = torch.zeros(rows, n, dtype=torch.int32, device=codes.device)
+    for j in range(PACK):
+        part = codes[j::PACK].to(torch.int32) & 0xF  # rows j, j+8, ... of the K rows
+        words[: part.shape[0]] |= part << (4 * j)
+    return words
+
+
+def unpack_int4_rows(qweight: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_rows`: ``[ceil(K/8), N]`` int32 -> ``[K, N]`` uint8."""
+    rows, n = qweight.shape
+    codes = torch.empty(rows, PACK, n, dtype=torch.uint8, device=qweight.device)
+    for j in range(PACK):
+        codes[:, j] = ((qweight >> (4 * j)) & 0xF).to(torch.uint8)
+    return codes.view(rows * PACK, n)[:k]
+
+
+def dequantize_w4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    k: int,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weight ``[K, N]`` in fp32, rows in storage order (``perm`` not applied)."""
+    n = qweight.shape[1]
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32).view(1, PACK, 1)
+    codes = ((qweight.unsqueeze(1) >> shifts) & 0xF).reshape(-1, n).float()  # [8*rows, N]
+    s = scales.float()
+    z = zeros.float() if zeros is not None else torch.full_like(s, SYMMETRIC_ZERO)
+    if g_idx is not None:
+        rows = g_idx.long()
+        return (codes[:k] - z[rows]) * s[rows]
+    # contiguous groups: broadcast each group's row over its rows (no [K, N] gathers)
+    size = min(group_size, k)
+    groups = -(-k // size)
+    if codes.shape[0] < groups * size:
+        codes = F.pad(codes, (0, 0, 0, groups * size - codes.shape[0]))
+    w = (codes[: groups * size].view(groups, size, n) - z[:, None]) * s[:, None]
+    return w.view(groups * size, n)[:k]
+
+
+def _check(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    perm: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    m, k = x2.shape
+    n = qweight.shape[1]
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        if t is not None and t.dim() == 2 and t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    if qweight.dtype != torch.int32 or qweight.shape[0] != -(-k // PACK):
+        raise ValueError(
+            f"qweight must be int32 [{-(-k // PACK)}, N] for K={k}, got "
+            f"{qweight.dtype} {tuple(qweight.shape)}"
+        )
+    groups = scales.shape[0]
+    if scales.shape[1] != n or (g_idx is None and groups != -(-k // min(group_size, k))):
+        raise ValueError(
+            f"scales must be [groups, {n}] with groups = ceil(K / group_size) = "
+            f"{-(-k // min(group_size, k))}, got {tuple(scales.shape)}"
+        )
+    if zeros is not None and (zeros.dtype != torch.uint8 or zeros.shape != scales.shape):
+        raise ValueError(f"zeros must be uint8 {tuple(scales.shape)}, got {zeros.dtype}")
+    for name, t in (("perm", perm), ("g_idx", g_idx)):
+        if t is not None and (t.shape != (k,) or t.dtype != torch.int32):
+            raise ValueError(f"{name} must be int32 [{k}], got {t.dtype} {tuple(t.shape)}")
+    return m, n, k
+
+
+def w4a16_gemm_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Pure-torch reference and CPU path: the weight dequantized in fp32, rounded to x's
+    dtype, multiplied with fp32 accumulation. ``config`` is ignored (same signature)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    _check(x2, qweight, scales, zeros, group_size, perm, g_idx)
+    w = dequantize_w4(qweight, scales, zeros, group_size, k, g_idx).to(x.dtype)
+    if perm is not None:
+        x2 = x2[:, perm.long()]
+    out = (x2.float() @ w.float()).to(x.dtype)
+    return out.reshape(*x.shape[:-1], qweight.shape[1])
+
+
+# ---- tiles and splits ------------------------------------------------------------------
+def w4a16_config(m: int, n: int, k: int, device: torch.device) -> dict[str, int]:
+    """Tiles, split-K and launch options for an ``[m, k] x [k, n]`` product.
+
+    Decode-sized batches (``m <= 64``) take 16/32/64-row tiles and split K until there
+    are about ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K
+    tile); larger batches take 128 x 128 tiles, split only while the output tiles alone
+    leave SMs idle. Small tiles under the Triton interpreter. ``bench/kernels.py``
+    sweeps alternatives at the 8B model's shapes.
+    """
+    sms = num_sms(device)
+    if is_interpreter():
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+    elif m <= 64:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n = 64 if n <= 8192 else 128
+        cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "num_warps": 4}
+        cfg["num_stages"] = 4
+    else:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    tiles = triton.cdiv(max(m, 1), cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
+    split = 1
+    if tiles < sms:
+        split = max(1, min(TARGET_PROGRAMS_PER_SM * sms // tiles, k_tiles, MAX_SPLIT_K))
+    cfg["SPLIT_K"] = split
+    return cfg
+
+
+def _split_plan(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(K per split, rounded up to whole tiles; number of non-empty splits)."""
+    k_tiles = triton.cdiv(k, block_k)
+    per = triton.cdiv(k_tiles, max(1, min(split, k_tiles))) * block_k
+    return per, triton.cdiv(k, per)
+
+
+def _group_mode(group_size: int, groups: int, block_k: int, has_g_idx: bool) -> tuple[int, int]:
+    """(GROUP_MODE, the GROUP_SIZE constexpr) for a K tile of ``block_k`` rows."""
+    if has_g_idx:
+        return ROW, 1
+    if groups == 1:
+        return TILE, ONE_GROUP
+    if group_size % block_k == 0:
+        return TILE, group_size
+    if block_k % group_size == 0:
+        return MULTI, group_size
+    return ROW, group_size
+
+
+# ---- kernels ---------------------------------------------------------------------------
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["M", "stride_cs"])
+def _w4a16_kernel(
+    a_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    gidx_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    num_groups,
+    k_per_split,
+    stride_am,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_cs,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    GROUP_MODE: tl.constexpr,
+    TG: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_GIDX: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # Grouped tile order: GROUP_M row tiles share each weight column tile in L2.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows_in_group
+    pid_n = (pid % width) // rows_in_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    shifts = tl.arange(0, 8) * 4
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            cols = offs_k
+        a = tl.load(
+            a_ptr + offs_m[:, None].to(tl.int64) * stride_am + cols[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        # packed words: each holds rows 8r .. 8r+7 of one column
+        offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        p_mask = offs_p * 8 < k_end
+        words = tl.load(
+            qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+            mask=p_mask[:, None] & n_mask[None, :],
+            other=0,
+        )
+        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+
+        # w = (code - zero) * scale, computed as one FMA: code * scale + (-zero * scale)
+        if GROUP_MODE == 0:  # TILE: one scale (and zero) row for the whole tile
+            g = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if HAS_ZP:
+                z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0)
+                zs = -z.to(tl.float32) * s
+            else:
+                zs = -8.0 * s
+            s = s[None, :]
+            zs = zs[None, :]
+        elif GROUP_MODE == 1:  # MULTI: TG = BLOCK_K // GROUP_SIZE whole groups
+            g = k0 // GROUP_SIZE + tl.arange(0, TG)
+            gm = (g < num_groups)[:, None] & n_mask[None, :]
+            s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=gm, other=0.0)
+            s = s.to(tl.float32)
+            if HAS_ZP:
+                z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :], mask=gm, other=0)
+                zs = -z.to(tl.float32) * s
+            else:
+                zs = -8.0 * s
+            s = tl.broadcast_to(s[:, None, :], (TG, GROUP_SIZE, BLOCK_N))
+            s = tl.reshape(s, (BLOCK_K, BLOCK_N))
+            zs = tl.broadcast_to(zs[:, None, :], (TG, GROUP_SIZE, BLOCK_N))
+            zs = tl.reshape(zs, (BLOCK_K, BLOCK_N))
+        else:  # ROW: a group index per row
+            if HAS_GIDX:
+                g = tl.load(gidx_ptr + offs_k, mask=k_mask, other=0)
+            else:
+                g = offs_k // GROUP_SIZE
+            gm = k_mask[:, None] & n_mask[None, :]
+            s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=gm, other=0.0)
+            s = s.to(tl.float32)
+            if HAS_ZP:
+                z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :], mask=gm, other=0)
+                zs = -z.to(tl.float32) * s
+            else:
+                zs = -8.0 * s
+        w = codes * s + zs
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
+
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    c_off = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    if SPLIT:
+        tl.store(c_ptr + pid_k * stride_cs + c_off, acc, mask=c_mask)
+    else:
+        tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _split_k_sum_kernel(p_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(p_ptr + s * total + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """``x [..., K]`` times the 4-bit weight (module docstring) -> ``[..., N]`` in x's
+    dtype. ``config`` overrides :func:`w4a16_config` (BLOCK_M/N/K, SPLIT_K, num_warps,
+    num_stages; benchmarks sweep it)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n, _ = _check(x2, qweight, scales, zeros, group_size, perm, g_idx)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.reshape(*x.shape[:-1], n)
+    cfg: dict[str, Any] = dict(config or w4a16_config(m, n, k, x.device))
+    block_k = cfg["BLOCK_K"]
+    if block_k % PACK or block_k < 16:
+        raise ValueError(f"BLOCK_K must be a multiple of 8 and >= 16, got {block_k}")
+    per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
+    mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
+    split = splits > 1
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if split else out
+    grid = (
+        triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),
+        splits,
+    )
+    dummy = qweight  # stands in for absent optional tensors (never read)
+    _w4a16_kernel[grid](
+        x2,
+        qweight,
+        scales,
+        zeros if zeros is not None else dummy,
+        perm if perm is not None else dummy,
+        g_idx if g_idx is not None else dummy,
+        partial,
+        m,
+        n,
+        k,
+        scales.shape[0],
+        per_split,
+        x2.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0,
+        m * n,
+        n,
+        GROUP_M=8,
+        GROUP_SIZE=gs,
+        GROUP_MODE=mode,
+        TG=block_k // gs if mode == MULTI else 1,
+        HAS_ZP=zeros is not None,
+        HAS_PERM=perm is not None,
+        HAS_GIDX=g_idx is not None,
+        SPLIT=split,
+        DOT_PREC=dot_precision(x.dtype),
+        **cfg,
+    )
+    if split:
+        total = m * n
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(total, block),)](
+            partial, out, total, splits, BLOCK=block, num_warps=4
+        )
+    return out.reshape(*x.shape[:-1], n)

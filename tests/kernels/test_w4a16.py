@@ -1,0 +1,213 @@
+"""The W4A16 GEMM against its torch reference, and the reference against the layout's
+definition computed element by element."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvscale.kernels import w4a16
+from kvscale.kernels.testing import kernel_dtypes, on_native_gpu, tolerances
+from kvscale.kernels.w4a16 import (
+    dequantize_w4,
+    pack_int4_rows,
+    unpack_int4_rows,
+    w4a16_config,
+    w4a16_gemm,
+    w4a16_gemm_ref,
+)
+
+gpu_only = pytest.mark.skipif(not on_native_gpu(), reason="needs CUDA without the interpreter")
+
+
+def _weights(
+    k: int,
+    n: int,
+    group_size: int,
+    device: torch.device,
+    asym: bool = True,
+    act_order: bool = False,
+) -> dict[str, torch.Tensor | int | None]:
+    """Random codes, scales and zeros; act-order: rows sorted by a random group
+    assignment of equal-size groups, with the permutation that undoes it."""
+    groups = -(-k // group_size)
+    codes = torch.randint(0, 16, (k, n), dtype=torch.uint8)
+    scales = torch.rand(groups, n) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (groups, n), dtype=torch.uint8) if asym else None
+    perm = None
+    if act_order:
+        perm = torch.randperm(k).int()
+    return {
+        "qweight": pack_int4_rows(codes).to(device),
+        "scales": scales.to(device),
+        "zeros": zeros.to(device) if zeros is not None else None,
+        "group_size": group_size,
+        "perm": perm.to(device) if perm is not None else None,
+        "codes": codes,
+    }
+
+
+def _run(
+    m: int,
+    k: int,
+    n: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: dict[str, int] | None = None,
+    **kw: bool,
+) -> None:
+    w = _weights(k, n, group_size, device, **kw)
+    codes = w.pop("codes")
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    got = w4a16_gemm(x, **w, config=config)  # type: ignore[arg-type]
+    ref = w4a16_gemm_ref(x, **w)  # type: ignore[arg-type]
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, **tolerances(dtype))
+    del codes
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("m", [1, 17])
+def test_w4a16_matches_ref(
+    dtype: torch.dtype, group_size: int, asym: bool, m: int, device: torch.device
+) -> None:
+    # K = 200: not a multiple of the K tile nor of the group size (last group partial)
+    _run(m, 200, 72, group_size, dtype, device, asym=asym)
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_w4a16_act_order_permutation(
+    dtype: torch.dtype, group_size: int, device: torch.device
+) -> None:
+    _run(7, 256, 48, group_size, dtype, device, asym=True, act_order=True)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 16])
+@pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 32), (32, 48), (64, 128)])
+def test_w4a16_group_modes_and_splits(
+    split: int, block_k: int, group_size: int, device: torch.device
+) -> None:
+    """Every way a K tile meets its groups (one per tile, several, per row) with every
+    split count, including more splits than K tiles."""
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
+    _run(3, 232, 40, group_size, torch.float32, device, config=cfg)
+    _run(3, 232, 40, group_size, torch.float16, device, config=cfg, asym=False)
+
+
+def test_w4a16_channelwise_and_k_not_multiple_of_8(device: torch.device) -> None:
+    for k in (200, 132):  # 132: the last packed word is half empty
+        _run(4, k, 24, k, torch.float32, device)  # one group: per-channel scales
+        _run(4, k, 24, 32, torch.float32, device, asym=False)
+
+
+def test_w4a16_g_idx_with_unequal_groups(device: torch.device) -> None:
+    """A rank's slice of an act-order layer: rows sorted by group, but groups of unequal
+    sizes (and some absent), so each row looks its group up."""
+    k, n, groups = 96, 40, 7
+    g_idx = torch.sort(torch.randint(0, groups, (k,))).values.int()
+    codes = torch.randint(0, 16, (k, n), dtype=torch.uint8)
+    scales = torch.rand(groups, n) + 0.1
+    zeros = torch.randint(0, 16, (groups, n), dtype=torch.uint8)
+    perm = torch.randperm(k).int()
+    args = [pack_int4_rows(codes), scales, zeros, 32, perm, g_idx]
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    x = torch.randn(9, k, device=device)
+    ref = w4a16_gemm_ref(x, *args)
+    torch.testing.assert_close(w4a16_gemm(x, *args), ref, **tolerances(torch.float32))
+    # the reference itself, written out: x[:, perm] @ ((codes - zero[g]) * scale[g])
+    w = (codes.float() - zeros[g_idx.long()].float()) * scales[g_idx.long()]
+    torch.testing.assert_close(ref.cpu(), x.cpu()[:, perm.long()] @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_int4_rows_matches_the_layout_bytewise() -> None:
+    """Bits 4j..4j+3 of word r hold row 8r+j: read back through the little-endian bytes
+    (byte b holds rows 2b (low nibble) and 2b+1 (high nibble))."""
+    codes = torch.randint(0, 16, (27, 5), dtype=torch.uint8)
+    words = pack_int4_rows(codes)
+    assert words.shape == (4, 5) and words.dtype == torch.int32
+    raw = np.ascontiguousarray(words.numpy().T).astype("<i4").view(np.uint8)  # [N, 16]
+    nibbles = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(5, -1)[:, :27]
+    assert np.array_equal(nibbles.T, codes.numpy())
+    assert torch.equal(unpack_int4_rows(words, 27), codes)
+
+
+def test_dequantize_follows_the_formula() -> None:
+    codes = torch.randint(0, 16, (20, 6), dtype=torch.uint8)
+    scales = torch.rand(3, 6)
+    zeros = torch.randint(0, 16, (3, 6), dtype=torch.uint8)
+    w = dequantize_w4(pack_int4_rows(codes), scales, zeros, 8, 20)
+    for k in range(20):
+        for n in range(6):
+            want = (int(codes[k, n]) - int(zeros[k // 8, n])) * float(scales[k // 8, n])
+            assert abs(float(w[k, n]) - want) < 1e-6
+    sym = dequantize_w4(pack_int4_rows(codes), scales, None, 8, 20)
+    torch.testing.assert_close(sym, (codes.float() - 8) * scales.repeat_interleave(8, 0)[:20])
+
+
+def test_bad_shapes_are_named(device: torch.device) -> None:
+    w = _weights(64, 16, 32, device)
+    x = torch.randn(2, 64, device=device)
+    with pytest.raises(ValueError, match="scales"):
+        w4a16_gemm(x, w["qweight"], w["scales"][:1], None, 32)  # type: ignore[index]
+    with pytest.raises(ValueError, match="qweight"):
+        w4a16_gemm(torch.randn(2, 72, device=device), w["qweight"], w["scales"], None, 32)
+
+
+def test_empty_batch(device: torch.device) -> None:
+    w = _weights(64, 16, 32, device)
+    w.pop("codes")
+    out = w4a16_gemm(torch.empty(0, 64, device=device), **w)  # type: ignore[arg-type]
+    assert out.shape == (0, 16)
+
+
+def test_config_splits_decode_and_not_prefill() -> None:
+    dev = torch.device("cpu")
+    sms = w4a16.num_sms(dev)
+    decode = w4a16_config(1, 64, 4096, dev)
+    assert decode["SPLIT_K"] > 1  # a few output tiles: K is split to occupy the SMs
+    assert w4a16_config(4096, 4096, 4096, dev)["SPLIT_K"] == 1
+    assert w4a16._split_plan(200, 32, 16) == (32, 7)  # never an empty split
+    assert w4a16._split_plan(4096, 128, 3) == (1408, 3)
+    assert sms >= 1
+
+
+# ---- GPU: the 8B model's shapes, CUDA graphs ------------------------------------------
+SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 2048])
+@pytest.mark.parametrize("k,n", SHAPES_8B)
+def test_w4a16_8b_shapes_gpu(dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    _run(m, k, n, 128, dtype, torch.device("cuda"), asym=m % 2 == 0)
+
+
+@gpu_only
+def test_w4a16_act_order_8b_gpu() -> None:
+    _run(16, 4096, 4096, 128, torch.bfloat16, torch.device("cuda"), act_order=True)
+
+
+@gpu_only
+def test_w4a16_replays_in_a_cuda_graph() -> None:
+    """A split-K decode product captured in a CUDA graph and replayed with new input
+    gives the eager result (no host sync or allocation outside the graph's pool)."""
+    dev = torch.device("cuda")
+    w = _weights(4096, 4096, 128, dev)
+    w.pop("codes")
+    x = torch.randn(4, 4096, dtype=torch.bfloat16, device=dev)
+    assert w4a16_config(4, 4096, 4096, dev)["SPLIT_K"] > 1
+    w4a16_gemm(x, **w)  # type: ignore[arg-type]  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w4a16_gemm(x, **w)  # type: ignore[arg-type]
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, w4a16_gemm(x, **w), rtol=0, atol=0)  # type: ignore[arg-type]
