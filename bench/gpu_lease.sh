@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# On the GPU machine, one lease in a few device calls:
+#   bench/gpu_lease.sh start PLAN   runs bench/gpu_lease.sh's PLAN (a function below) in a
+#                                   session of its own, so it outlives the device call
+#   bench/gpu_lease.sh wait SECONDS follows the run until it ends or SECONDS pass, then packs
+#                                   results and logs into $OUT/results.tgz
+# Each step has its own time limit and log ($RES/<step>.log); $RES/log.txt says when each
+# started and how it ended. Source bench/gpu_setup.sh first (wheels, editable install).
+RES=${RES:-/tmp/lease}
+CKPT=${CKPT:-/tmp/llama31-8b-random}
+mkdir -p "$RES"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== [$name] $(date -u +%T) started" >> "$RES/log.txt"
+  timeout "$limit" "$@" > "$RES/$name.log" 2>&1
+  echo "=== [$name] $(date -u +%T) exit $?" >> "$RES/log.txt"
+}
+
+bench() {  # bench NAME SECONDS PHASES [ARGS]: engine_bench.py phases, results in $RES
+  local name=$1 limit=$2 phases=$3
+  shift 3
+  step "$name" "$limit" python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" \
+    --phases "$phases" "$@"
+}
+
+# Issue 23, first lease: GPU tests, then the measurements in priority order.
+plan_round() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  step tests-kernels 330 env KVSCALE_KERNEL_TESTS=1 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels
+  step tests-gpu 480 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu \
+    --ignore=tests/gpu/test_tensor_parallel_cuda.py
+  bench base 300 ckpt,ceilings,ours
+  bench fp8 360 fp8
+  step accuracy 240 python3 bench/fp8_accuracy.py --model "$CKPT" --tokens 4096 \
+    --seq-len 1024 --out "$RES/fp8_accuracy.json"
+  bench int4 300 int4
+  step w4a16-gemm 180 python3 bench/kernels.py --only w4a16 --out-dir "$RES"
+  bench piecewise 420 piecewise,serve-piecewise --piecewise-concurrency 256
+  bench serve 300 serve --concurrency 1,64,256
+  bench structured 150 structured
+  bench peers 300 peer-latency,peer-a
+}
+
+case "$1" in
+  start)
+    rm -f "$RES/finished"
+    setsid bash -c "bash bench/gpu_lease.sh plan_$2 > '$RES/plan.txt' 2>&1; echo done > '$RES/finished'" \
+      < /dev/null > /dev/null 2>&1 &
+    ;;
+  wait)
+    deadline=$((SECONDS + $2))
+    while [ ! -f "$RES/finished" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
+    cat "$RES/log.txt"
+    [ -f "$RES/finished" ] && echo "plan finished"
+    for f in "$RES"/tests-*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 4 "$f"; }; done
+    # one archive: the device tool returns at most 8 files
+    [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" --exclude=compile-cache -C "$RES" .
+    ;;
+  plan_*)
+    "$1"
+    ;;
+esac
