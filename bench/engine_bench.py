@@ -574,6 +574,7 @@ def piecewise_rows(res: dict[str, Any], bounds: dict[str, Any]) -> list[Row]:
                 f"D c={c}, piecewise (vs default)", metric, r[key], p.get(key), None, hib, tgt
             )
             rows.append(row)
+    return rows
 
 
 def int4_rows(res: dict[str, Any], copy_bps: float | None) -> list[Row]:

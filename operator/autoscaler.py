@@ -70,8 +70,10 @@ def interval_for(auto: AutoscalingSpec, config: OperatorConfig) -> float:
 
 
 def lease_duration(interval_s: float) -> int:
-    """A holder renews every interval; others take over after three missed renewals."""
-    return max(5, round(3 * interval_s))
+    """A holder renews every interval; others take over after three missed renewals, and
+    never sooner than Kubernetes' own leader election does (15 s): a leader whose loop
+    stalls for a few seconds on a busy node keeps its lease instead of flapping."""
+    return max(15, round(3 * interval_s))
 
 
 def policy_for(auto: AutoscalingSpec, interval_s: float) -> Policy:

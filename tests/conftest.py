@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,23 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Inductor's default cache (/tmp/torchinductor_$USER) is shared by every torch on the
+# machine, and C++ kernels built against another torch's headers fail to compile: one
+# cache per torch version.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"torchinductor-kvscale-{version('torch')}"),
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo() -> Iterator[None]:
+    """Each test module starts with Dynamo's caches empty, as a new server process does:
+    engines built by earlier modules share the model's forward code object, and Dynamo
+    stops compiling a code object after ``recompile_limit`` different backends."""
+    yield
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

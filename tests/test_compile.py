@@ -36,7 +36,7 @@ def test_compiled_model_does_not_recompile_for_new_step_sizes(llama_ckpt: Path) 
     import torch._dynamo
 
     llm = LLM(str(llama_ckpt), compile=True, **MODE)
-    llm.generate(PROMPTS[:2], GREEDY)  # compiles for T == 1 and for T >= 2
+    llm.generate(PROMPTS[:1], GREEDY)  # compiles for T >= 2 (prefill) and T == 1 (decode)
     torch._dynamo.config.error_on_recompile = True
     try:
         outs = llm.generate(random_prompts(8, (61, 90), seed=2), GREEDY)

@@ -59,7 +59,7 @@ def test_defaults_follow_the_hpa_and_the_operator() -> None:
     assert auto.tolerance_percent == 10 and auto.scale_up_limit_percent == 100
     assert interval_for(auto, OperatorConfig()) == 15.0
     assert interval_for(auto, OperatorConfig(autoscale_interval_seconds=30)) == 30.0
-    assert lease_duration(15) == 45 and lease_duration(1) == 5
+    assert lease_duration(15) == 45 and lease_duration(1) == 15
 
 
 @pytest.mark.parametrize(

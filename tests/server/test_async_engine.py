@@ -126,10 +126,13 @@ def test_a_killed_engine_process_fails_requests_in_flight(llama_ckpt: Path) -> N
         reasons: list[str] = []
         aeng.on_dead = reasons.append  # the server exits non-zero with it
         params = SamplingParams(max_tokens=400, ignore_eos=True)
+        killed = False
         with pytest.raises(EngineDeadError, match="exit code -9"):
             async for out in aeng.generate("victim", PROMPT, params):
-                if len(out.outputs[0].token_ids) == 2:
+                # >=, not ==: on a busy machine one output can carry several new tokens.
+                if len(out.outputs[0].token_ids) >= 2 and not killed:
                     os.kill(aeng._proc.pid, signal.SIGKILL)
+                    killed = True
         assert not aeng.is_alive()
         assert reasons == ["the engine process exited unexpectedly (exit code -9)"]
         with pytest.raises(EngineDeadError):
