@@ -135,6 +135,42 @@ def test_a_second_worker_replaying_the_pickled_steps_samples_the_same_tokens(
     assert len(steps) >= 8 and replica_tokens == engine_tokens
 
 
+def test_each_worker_keeps_its_operator_routing_when_another_engine_changes_it(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layers' operators are routed process-wide (``ops.use_kernels``); a CUDA engine
+    with the Triton backend built after a CPU one routes them to the kernels, which then
+    got the CPU engine's tensors ("Pointer argument ... cannot be accessed from Triton
+    (cpu tensor?)"). Every step runs under its own worker's routing."""
+    from kvscale.kernels import activation, rmsnorm, rotary, w4a16
+    from kvscale.server.layers import ops
+
+    llm = LLM(str(llama_ckpt), device="cpu", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1, logit_bias={77: 9.0})
+    want = llm.generate(PROMPTS, params)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a CPU engine's step reached a Triton kernel")
+
+    for module, name in [
+        (rmsnorm, "rms_norm"),
+        (rmsnorm, "fused_add_rms_norm"),
+        (activation, "silu_and_mul"),
+        (rotary, "rotary_embedding"),
+        (w4a16, "w4a16_gemm"),
+    ]:
+        monkeypatch.setattr(module, name, kernel)
+    ops.use_kernels(True)  # what building a CUDA engine with the triton backend does
+    try:
+        got = llm.generate(PROMPTS, params)
+        assert ops.rms_norm is kernel  # the other engine's routing is left as it was
+    finally:
+        ops.use_kernels(False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs == b.prompt_logprobs
+
+
 def test_row_seeds_depend_on_seed_and_index_only() -> None:
     seeds = {row_seed(s, i) for s in range(50) for i in range(50)}
     assert len(seeds) == 2500 and all(0 <= x < 2**63 for x in seeds)

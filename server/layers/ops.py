@@ -4,9 +4,16 @@ By default they are the pure-PyTorch references that sit beside each Triton kern
 ``kvscale.kernels`` (the CPU path); on CUDA the model runner routes the same names to
 the kernels themselves with ``use_kernels(True)``. Signatures and layouts are the
 kernels' (see each kernel module's docstring).
+
+The routing is process-wide, and one process may hold several engines (a CPU one and a
+CUDA one, an eager one and a compiled one): each worker runs its model inside
+``kernels(its own setting)``, never on what the engine built last left behind.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from kvscale.kernels import activation, rmsnorm, rotary, w4a16
 
@@ -15,10 +22,14 @@ fused_add_rms_norm = rmsnorm.fused_add_rms_norm_ref
 silu_and_mul = activation.silu_and_mul_ref
 rotary_embedding = rotary.rotary_embedding_ref
 w4a16_gemm = w4a16.w4a16_gemm_ref
+_kernels = False
 
 
-def use_kernels(enabled: bool) -> None:
-    """Routes the operators above to the Triton kernels (True) or the references (False)."""
+def use_kernels(enabled: bool) -> bool:
+    """Routes the operators above to the Triton kernels (True) or the references (False);
+    returns the previous routing."""
+    global _kernels
+    previous, _kernels = _kernels, enabled
     suffix = "" if enabled else "_ref"
     globals().update(
         rms_norm=getattr(rmsnorm, "rms_norm" + suffix),
@@ -27,3 +38,14 @@ def use_kernels(enabled: bool) -> None:
         rotary_embedding=getattr(rotary, "rotary_embedding" + suffix),
         w4a16_gemm=getattr(w4a16, "w4a16_gemm" + suffix),
     )
+    return previous
+
+
+@contextlib.contextmanager
+def kernels(enabled: bool) -> Iterator[None]:
+    """``use_kernels(enabled)`` inside the block; the previous routing after it."""
+    previous = use_kernels(enabled)
+    try:
+        yield
+    finally:
+        use_kernels(previous)

@@ -146,7 +146,9 @@ class Worker:
         self.backend = get_backend(eng.attention_backend, device)
         # Compiled: Inductor fuses the elementwise references itself; eager on CUDA: the
         # hand-written Triton kernels.
-        use_kernels = self.backend.name == "triton" and not eng.compile
+        self.use_kernels = use_kernels = self.backend.name == "triton" and not eng.compile
+        # The routing while this worker builds (profiling, calibration, capture); each
+        # step sets it again (see forward): another engine in this process may change it.
         ops.use_kernels(use_kernels)
         quant = get_quantization(config.model, eng.quantization)
         if quant is not None:
@@ -346,6 +348,12 @@ class Worker:
         """Enqueues the step's forward pass (and its prompt logprobs); returns at once.
         ``sample`` then enqueues its sampling: in between, the driver may learn the
         tokens of the step before (a grammar's next mask depends on them)."""
+        # This worker's operator routing: the last engine built in this process (a CUDA
+        # one next to a CPU one, an eager one next to a compiled one) may have changed it.
+        with ops.kernels(self.use_kernels):
+            return self._enqueue_forward(step)
+
+    def _enqueue_forward(self, step: StepInput) -> Forwarded:
         dev = to_device(step.arrays, self.device)
         prompt_lp = None
         run = self.dispatcher.dispatch(step.num_tokens, step.graph_size)

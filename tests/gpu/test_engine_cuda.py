@@ -29,6 +29,9 @@ STRESS = dict(
     max_num_batched_tokens=32, max_num_seqs=16, num_kv_blocks=16, block_size=16, max_model_len=128
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# A fixed KV pool for tests that build several engines: one sized from free memory
+# counts an earlier engine still alive (its pool, its graphs) against the next.
+FIXED_POOL = dict(num_kv_blocks=256)
 
 
 def _run(path: Path, backend: str, dtype: str, **kw: object) -> tuple[list[list[int]], LLM]:
@@ -37,12 +40,22 @@ def _run(path: Path, backend: str, dtype: str, **kw: object) -> tuple[list[list[
     return [o.outputs[0].token_ids for o in outs], llm
 
 
+def _tokens(path: Path, backend: str, dtype: str, **kw: object) -> list[list[int]]:
+    """``_run``'s tokens; the engine is released (and its GPU memory) before returning."""
+    tokens, llm = _run(path, backend, dtype, **kw)
+    llm.engine.core.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_triton_matches_torch_backend_fp32(
     checkpoint_factory: Callable[..., Path], arch: str
 ) -> None:
     path = checkpoint_factory(f"gpu-{arch}", arch=arch, seed=4)
-    ref, _ = _run(path, "torch", "float32", **STRESS)
+    ref = _tokens(path, "torch", "float32", **STRESS)
     got, llm = _run(path, "triton", "float32", **STRESS)
     assert llm.engine.stats().num_preemptions > 0
     bm = llm.engine.block_manager
@@ -66,8 +79,8 @@ def test_triton_matches_torch_backend_bf16(checkpoint_factory: Callable[..., Pat
     a random model drift apart after near-ties. Yardstick: the kernels must track the
     torch backend in bf16 about as long as bf16 tracks fp32 on the same backend."""
     path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
-    fp32, _ = _run(path, "torch", "float32", **STRESS)
-    ref, _ = _run(path, "torch", "bfloat16", **STRESS)
+    fp32 = _tokens(path, "torch", "float32", **STRESS)
+    ref = _tokens(path, "torch", "bfloat16", **STRESS)
     got, llm = _run(path, "triton", "bfloat16", **STRESS)
     assert llm.engine.stats().num_preemptions > 0
     assert [g[0] for g in got] == [r[0] for r in ref]
@@ -93,7 +106,7 @@ def test_kv_pool_sized_from_gpu_memory(checkpoint_factory: Callable[..., Path]) 
 def test_cuda_graphs_match_eager(checkpoint_factory: Callable[..., Path]) -> None:
     """Decode steps replayed from CUDA graphs (padded batch sizes) give the eager tokens."""
     path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
-    eager, _ = _run(path, "triton", "float32", enforce_eager=True, **STRESS)
+    eager = _tokens(path, "triton", "float32", enforce_eager=True, **STRESS)
     graphs, llm = _run(path, "triton", "float32", cuda_graph_max_batch=16, **STRESS)
     assert llm.engine.worker.graphs is not None
     assert llm.engine.worker.graphs.batch_sizes == [1, 2, 4, 8, 16]
@@ -105,8 +118,8 @@ def test_torch_compile_with_cuda_graphs_matches_eager(
 ) -> None:
     """Inductor-compiled layers around the attention op, replayed from CUDA graphs."""
     path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
-    eager, _ = _run(path, "triton", "float32", enforce_eager=True, **STRESS)
-    compiled, _ = _run(path, "triton", "float32", compile=True, cuda_graph_max_batch=16, **STRESS)
+    eager = _tokens(path, "triton", "float32", enforce_eager=True, **STRESS)
+    compiled = _tokens(path, "triton", "float32", compile=True, cuda_graph_max_batch=16, **STRESS)
     assert compiled == eager
 
 
@@ -177,8 +190,9 @@ def test_fp8_linear_on_cuda_matches_the_dequantized_product() -> None:
 
 def test_fp8_engine_with_cuda_graphs_matches_eager(checkpoint_factory: Callable[..., Path]) -> None:
     path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
-    eager, _ = _run(path, "triton", "bfloat16", quantization="fp8", enforce_eager=True)
-    graphs, llm = _run(path, "triton", "bfloat16", quantization="fp8")
+    kw = dict(quantization="fp8", **FIXED_POOL)
+    eager = _tokens(path, "triton", "bfloat16", enforce_eager=True, **kw)
+    graphs, llm = _run(path, "triton", "bfloat16", **kw)
     assert llm.engine.worker.graphs is not None
     assert graphs == eager
 
@@ -201,8 +215,8 @@ def test_fp8_kv_cache_with_cuda_graphs_matches_eager(
     checkpoint_factory: Callable[..., Path],
 ) -> None:
     path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
-    kw = dict(quantization="fp8", kv_cache_dtype="fp8")
-    eager, _ = _run(path, "triton", "bfloat16", enforce_eager=True, **kw)
+    kw = dict(quantization="fp8", kv_cache_dtype="fp8", **FIXED_POOL)
+    eager = _tokens(path, "triton", "bfloat16", enforce_eager=True, **kw)
     graphs, llm = _run(path, "triton", "bfloat16", **kw)
     assert llm.engine.worker.graphs is not None
     assert llm.engine.worker.kv_pool.layers[0].k.dtype == torch.float8_e4m3fn

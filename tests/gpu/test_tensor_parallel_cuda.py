@@ -46,6 +46,9 @@ STRESS = dict(
     max_num_batched_tokens=32, max_num_seqs=16, num_kv_blocks=16, block_size=16, max_model_len=128
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# A fixed KV pool for tests that build engines one after another: one sized from free
+# memory counts an earlier engine not yet collected against the next.
+FIXED_POOL = dict(num_kv_blocks=256)
 ARCHES: dict[str, dict[str, Any]] = {
     "llama": dict(arch="llama", seed=4),
     "llama-mqa-odd-vocab": dict(arch="llama", seed=5, num_key_value_heads=1, vocab_size=ODD_VOCAB),
@@ -68,10 +71,19 @@ def _free(llm: LLM) -> None:
 
 
 def _run(path: Path, prompts: list[list[int]] = PROMPTS, params: SamplingParams = GREEDY,
-         **kw: Any) -> tuple[list[list[int]], LLM]:  # fmt: skip
+         **kw: Any) -> list[list[int]]:  # fmt: skip
+    """The greedy tokens of an engine that is gone (its ranks stopped, its GPU memory
+    released) on return: the next engine, if it sizes its KV pool from free memory, must
+    not count this one's pool against it (a caller's reference would keep it alive)."""
     llm = LLM(str(path), device="cuda", **kw)
-    outs = llm.generate(prompts, params)
-    return [o.outputs[0].token_ids for o in outs], llm
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        _free(llm)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def _count_replays(llm: LLM) -> dict[str, int]:
@@ -94,8 +106,7 @@ def test_tp2_fp32_greedy_equals_tp1_with_cuda_graphs(
     checkpoint_factory: Callable[..., Path], arch: str
 ) -> None:
     path = checkpoint_factory(f"gpu-tp-{arch}", **ARCHES[arch])
-    ref, llm1 = _run(path, dtype="float32", **STRESS)
-    _free(llm1)
+    ref = _run(path, dtype="float32", **STRESS)
     llm = LLM(str(path), device="cuda", dtype="float32", tensor_parallel_size=2, **STRESS)
     try:
         replays = _count_replays(llm)
@@ -116,9 +127,9 @@ def test_decode_graphs_hold_the_all_reduces(checkpoint_factory: Callable[..., Pa
     from torch.profiler import ProfilerActivity, profile
 
     path = checkpoint_factory("gpu-tp-llama", **ARCHES["llama"])
-    eager, llm_e = _run(path, dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True)
-    _free(llm_e)
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", tensor_parallel_size=2)
+    kw: dict[str, Any] = dict(dtype="bfloat16", tensor_parallel_size=2, **FIXED_POOL)
+    eager = _run(path, enforce_eager=True, **kw)
+    llm = LLM(str(path), device="cuda", **kw)
     try:
         graphs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert graphs == eager  # same kernels, same sums: graphs change nothing
@@ -162,8 +173,7 @@ def test_tp2_bf16_tracks_tp1_as_bf16_tracks_fp32(checkpoint_factory: Callable[..
         "tp1": dict(dtype="bfloat16"),
         "tp2": dict(dtype="bfloat16", tensor_parallel_size=2),
     }.items():
-        runs[name], llm = _run(path, **kw, **STRESS)
-        _free(llm)
+        runs[name] = _run(path, **kw, **STRESS)
     tp2_vs_tp1 = _common_prefix(runs["tp2"], runs["tp1"])
     bf16_vs_fp32 = _common_prefix(runs["tp1"], runs["fp32"])
     print(f"bf16 common prefix: TP=2 vs TP=1 {tp2_vs_tp1:.1f}, bf16 vs fp32 {bf16_vs_fp32:.1f}")
@@ -176,9 +186,8 @@ def test_tp2_prefix_caching_gives_the_uncached_tokens(
     path = checkpoint_factory("gpu-tp-llama", **ARCHES["llama"])
     system = PROMPTS[0] * 3  # a shared prefix of several 16-token blocks
     prompts = [system + p[1:] for p in PROMPTS[:8]]
-    kw = dict(dtype="float32", tensor_parallel_size=2, max_model_len=512)
-    off, llm = _run(path, prompts, enable_prefix_caching=False, **kw)
-    _free(llm)
+    kw = dict(dtype="float32", tensor_parallel_size=2, max_model_len=512, **FIXED_POOL)
+    off = _run(path, prompts, enable_prefix_caching=False, **kw)
     llm = LLM(str(path), device="cuda", enable_prefix_caching=True, **kw)
     try:
         on = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
@@ -197,11 +206,14 @@ def test_tp2_fp8_at_load_tracks_tp1(checkpoint_factory: Callable[..., Path]) -> 
     out: dict[int, list[Any]] = {}
     for tp in (1, 2):
         llm = LLM(str(path), device="cuda", dtype="bfloat16", quantization="fp8",
-                  tensor_parallel_size=tp)  # fmt: skip
+                  tensor_parallel_size=tp, **FIXED_POOL)  # fmt: skip
         try:
             out[tp] = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
         finally:
             _free(llm)
+        del llm  # gone before the next engine is built
+        gc.collect()
+        torch.cuda.empty_cache()
     same = [a.token_ids == b.token_ids for a, b in zip(out[1], out[2], strict=True)]
     assert sum(same) >= len(PROMPTS) - 1
     for a, b, eq in zip(out[1], out[2], same, strict=True):

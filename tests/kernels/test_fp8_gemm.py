@@ -28,6 +28,19 @@ def _weight(n: int, k: int, block: tuple[int, int], device: torch.device):
     return q.clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
+def _limit(out_dtype: torch.dtype) -> float:
+    """The kernel's relative error bound against the fp32 reference. 16-bit outputs: their
+    rounding. fp32 output: the interpreter sums the FP8 products in fp32, but Hopper's FP8
+    tensor cores keep only about 14 bits while they accumulate one K group (DeepSeek-V3
+    report, 3.3.2; Triton's default on sm_90 is max_num_imprecise_acc = 2**30, no
+    promotion inside a dot) before the kernel adds the scaled group sum in fp32, as
+    DeepGEMM does. On an H100: 5.7e-5 at M=33 (64-row tiles), under 1e-5 at M <= 16
+    (16-row tiles); 2**-12 leaves 4x."""
+    if out_dtype != torch.float32:
+        return 1e-2
+    return 2.0**-12 if on_native_gpu() else 1e-5
+
+
 @pytest.mark.parametrize("out_dtype", kernel_dtypes(), ids=str)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 256, 256), (7, 200, 384), (33, 384, 128)])
 def test_block_gemm_matches_ref(out_dtype: torch.dtype, m: int, n: int, k: int, device) -> None:
@@ -38,8 +51,7 @@ def test_block_gemm_matches_ref(out_dtype: torch.dtype, m: int, n: int, k: int, 
     got = w8a8_block_matmul(xq, xs, wq, ws, block, out_dtype)
     ref = w8a8_block_matmul_ref(xq, xs, wq, ws, block, torch.float32)
     assert got.dtype == out_dtype and got.shape == (m, n)
-    limit = 1e-5 if out_dtype == torch.float32 else 1e-2  # 16-bit output rounding
-    assert rel_error(got, ref) < limit
+    assert rel_error(got, ref) < _limit(out_dtype)
     # the reference is the definition: dequantized activations times dequantized weight
     exact = (xq.double() * xs.double().repeat_interleave(block[1], 1)) @ (
         dequantize_blocks(wq, ws, block).double().T

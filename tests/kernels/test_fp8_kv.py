@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kvscale.kernels.fp8 import FP8_E4M3, quantize_fp8_ref
+from kvscale.kernels.fp8 import FP8_E4M3, quantize_e4m3, quantize_fp8_ref
 from kvscale.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
 from kvscale.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
 from kvscale.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_ref
-from kvscale.kernels.testing import kernel_dtypes, random_paged_kv, rel_error, tolerances
+from kvscale.kernels.testing import (
+    kernel_dtypes,
+    on_native_gpu,
+    random_paged_kv,
+    rel_error,
+    tolerances,
+)
 
 
 def _scale(x: float, device: torch.device) -> torch.Tensor:
@@ -30,6 +38,8 @@ def test_fp8_write_matches_torch_bit_for_bit(dtype: torch.dtype, device: torch.d
     k = (torch.randn(num_tokens, heads, head_dim) * torch.logspace(-4, 3, head_dim)).to(dtype)
     v = (torch.randn(num_tokens, heads, head_dim) * 5).to(dtype)
     k[0, 0, :4] = 0.0
+    k[0, 1, :4] = -0.0
+    k[1, 0, :8] = torch.tensor([-1e-6, -1e-4, -3e-4, 3e-4, -0.0006, 0.0006, -500.0, 500.0])
     k, v = k.to(device), v.to(device)
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     slots[[2, 5]] = -1
@@ -43,6 +53,53 @@ def test_fp8_write_matches_torch_bit_for_bit(dtype: torch.dtype, device: torch.d
     flat = kr.view(-1, heads, head_dim)
     s0 = int(slots[0])
     assert torch.equal(flat[s0].view(torch.uint8), quantize_fp8_ref(k[0], ks).view(torch.uint8))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, quantize_e4m3(x, tl.load(scale_ptr)), mask=mask)
+
+
+def test_e4m3_rounding_in_fp32_matches_torch_on_the_edge_cases(device: torch.device) -> None:
+    """The kernels' rounding (as fp32, before the exact fp32 -> fp8 store) against torch's
+    clamp and ``.to(float8_e4m3fn)`` (round to nearest, ties to even): signed zeros and
+    small negatives that round to -0, halfway cases, the subnormal steps, the clamp to
+    +-448 (and +-inf), NaN kept NaN. Bit for bit, the sign of zero included."""
+    step = 2.0**-9  # the subnormal step; 2**-6 the smallest normal
+    edge = [0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, step / 2, -step / 2, 1.5 * step,
+            -2.5 * step, 2.0**-6, 2.0**-6 * 1.0625, -(2.0**-6) * 1.1875, 1.0625, -1.1875,
+            17.0, 19.0, -21.0, 240.0, 416.0, 432.0, 440.0, 447.9, 448.0, 449.0, 464.0,
+            -479.0, 480.0, 1e6, -1e30, float("inf"), -float("inf"), float("nan"),
+            -float("nan")]  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.randn(4096, generator=gen) * torch.logspace(-5, 3, 4096)
+    x = torch.cat([torch.tensor(edge), rand]).to(device)
+    for scale in (1.0, 0.37):
+        s = torch.tensor(scale, device=device)
+        got = torch.empty_like(x)
+        _quantize_kernel[(triton.cdiv(x.numel(), 512),)](x, got, s, x.numel(), BLOCK=512)
+        want = quantize_fp8_ref(x, s).float()
+        nan = want.isnan()
+        assert int(nan.sum()) == 2 and torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@pytest.mark.skipif(not on_native_gpu(), reason="the interpreter cannot store NaN as FP8")
+def test_fp8_write_keeps_nan(device: torch.device) -> None:
+    cache = torch.zeros(2, 16, 1, 64, dtype=FP8_E4M3, device=device)
+    k = torch.randn(3, 1, 64, device=device)
+    k[1, 0, 5] = float("nan")
+    slots = torch.arange(3, device=device)
+    one = torch.tensor(1.0, device=device)
+    got, want = cache.clone(), cache.clone()
+    write_kv_cache(k, k, got, cache.clone(), slots, one, one)
+    write_kv_cache_ref(k, k, want, cache.clone(), slots, one, one)
+    nan = want.float().isnan()
+    assert int(nan.sum()) == 1 and torch.equal(got.float().isnan(), nan)
+    assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
 
 
 def test_an_fp8_cache_needs_its_scales(device: torch.device) -> None:
