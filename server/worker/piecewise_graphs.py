@@ -105,6 +105,8 @@ class PiecewiseGraphs:
         self.block_tables = torch.zeros(
             max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
         )
+        # the side stream captures run on (cuBLAS allocates a workspace per stream)
+        self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
 
@@ -173,7 +175,8 @@ class PiecewiseGraphs:
                 self._forward(b, b)
             return
         start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
+        stream = self.capture_stream
+        assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.capture_all(torch.cuda.synchronize)
