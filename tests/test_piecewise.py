@@ -431,3 +431,42 @@ def test_a_model_that_cannot_be_split_runs_without_piecewise_graphs(
     assert "piecewise CUDA graphs are off" in caplog.text
     assert "no split op (kvscale::no_such_op) was found" in caplog.text
     assert all(len(t) == 8 for t in _tokens(llm, PROMPTS[:3]))
+
+
+# ---- Dynamo state shared within a process ------------------------------------------------
+def test_a_forward_that_dynamo_does_not_compile_turns_piecewise_off(
+    llama_ckpt: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dynamo may run the compiled forward eagerly without calling the backend (torch
+    2.11 does so silently once the forward's code hit its recompile limit; the
+    force_eager stance does so everywhere): piecewise graphs are then off, with the
+    reason, instead of padded buckets running through the uncompiled model, whose
+    attention takes the real tokens only."""
+    eager = _tokens(LLM(str(llama_ckpt), **STRESS), PROMPTS[:4])
+    with torch.compiler.set_stance("force_eager"):
+        with caplog.at_level("WARNING", logger="kvscale.server.worker.worker"):
+            llm = LLM(str(llama_ckpt), piecewise_compiler="eager", **PIECEWISE, **STRESS)
+        assert _tokens(llm, PROMPTS[:4]) == eager
+    assert llm.engine.worker.piecewise is None
+    assert "the piecewise backend was never called" in caplog.text
+
+
+def test_engines_in_one_process_compile_pieces_of_their_own(llama_ckpt: Path) -> None:
+    """Each engine compiles a forward of its own code object, so that engines built one
+    after another (the GPU tests build a dozen) neither find each other's guard-free
+    graph nor use up Dynamo's recompile limit for the model class's forward."""
+    import torch._dynamo
+
+    eager = _tokens(LLM(str(llama_ckpt), **STRESS), PROMPTS[:4])
+    codes = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for _ in range(2):
+            llm = LLM(str(llama_ckpt), piecewise_compiler="eager", **PIECEWISE, **STRESS)
+            pw = llm.engine.worker.piecewise
+            assert pw is not None and len(pw.compile_backend.pieces) == 3
+            codes.append(llm.engine.worker.model.model.forward.__code__)
+            recorder = _Recorder(llm.engine.worker.dispatcher)
+            llm.engine.worker.dispatcher = recorder  # type: ignore[assignment]
+            assert _tokens(llm, PROMPTS[:4]) == eager
+            assert "piecewise" in recorder.kinds
+    assert codes[0] is not codes[1]

@@ -29,3 +29,12 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def check_tokens(self, x: torch.Tensor, name: str) -> None:
+        """``x`` has one row per token of ``slot_mapping`` (a host-side shape check: the
+        attention kernels size their grids from ``x`` and cannot see a mismatch)."""
+        if x.shape[0] != self.slot_mapping.shape[0]:
+            raise ValueError(
+                f"{name} has {x.shape[0]} rows for a step of {self.slot_mapping.shape[0]} "
+                "tokens (slot_mapping): attention takes the real tokens only, no padding rows"
+            )

@@ -34,6 +34,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        meta.check_tokens(q, "q")
         return paged_prefill_attention_ref(
             q,
             kv.k,

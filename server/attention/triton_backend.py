@@ -35,6 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        meta.check_tokens(q, "q")
         if meta.is_decode_only:
             return paged_decode_attention(
                 q,

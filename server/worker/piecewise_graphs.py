@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,27 @@ from kvscale.server.compilation.runtime import piece_run
 from kvscale.server.worker.step import StepInput, resolve_placeholders
 
 log = logging.getLogger(__name__)
+
+
+def own_forward(module: nn.Module) -> None:
+    """Gives ``module`` a ``forward`` with a code object of its own (its class's, copied).
+
+    Dynamo keeps compiled entries, the recompile count and its decision to stop compiling
+    per code object, and the model class's ``forward`` is shared by every engine in the
+    process (``--compile``'s whole-model graphs too). Sharing it, each piecewise engine
+    adds a guard-free entry; a later one past ``recompile_limit`` is refused; and once any
+    compile of that code hits the limit, Dynamo only runs it (eagerly when no entry
+    matches) from then on: the piecewise backend is never called, and before torch 2.12
+    no error says so, so padded buckets ran through the uncompiled model."""
+    fn = type(module).forward
+    if not isinstance(fn, types.FunctionType):
+        return
+    own = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    own.__kwdefaults__ = fn.__kwdefaults__
+    own.__qualname__ = fn.__qualname__
+    module.forward = types.MethodType(own, module)  # type: ignore[method-assign]
 
 
 class PiecewiseGraphs:
@@ -66,6 +88,7 @@ class PiecewiseGraphs:
         self.device = device = last_tokens.device
         self.use_graphs = device.type == "cuda"
         self.compile_backend = PiecewiseBackend(config, pool if self.use_graphs else None)
+        own_forward(model.model)  # type: ignore[arg-type]
         self.compiled = torch.compile(
             model.model,  # type: ignore[arg-type]
             backend=self.compile_backend,
@@ -82,6 +105,8 @@ class PiecewiseGraphs:
         self.block_tables = torch.zeros(
             max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
         )
+        # the side stream captures run on (cuBLAS allocates a workspace per stream)
+        self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
 
@@ -119,6 +144,15 @@ class PiecewiseGraphs:
             self.compiled(ids, pos)
         self.compile_seconds = time.perf_counter() - start
         be = self.compile_backend
+        if be.split_gm is None:
+            # Dynamo ran the forward without compiling it (compiling disabled, or given
+            # up for this code); nothing would be captured, and padded buckets would run
+            # through the uncompiled model, whose attention takes no padding rows.
+            raise RuntimeError(
+                "torch.compile ran the model eagerly: the piecewise backend was never "
+                "called (TORCH_COMPILE_DISABLE, a compiler stance, or Dynamo's recompile "
+                "limit for the model's forward)"
+            )
         st = be.compiler.stats
         log.info(
             "piecewise: traced and split the model into %d pieces around %d attention ops; "
@@ -141,7 +175,8 @@ class PiecewiseGraphs:
                 self._forward(b, b)
             return
         start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
+        stream = self.capture_stream
+        assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.capture_all(torch.cuda.synchronize)
