@@ -8,7 +8,9 @@ OUT=${OUT:-/tmp/gpu-retest}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export KVSCALE_KERNEL_TESTS=1
-PYTEST=(python3 -m pytest -v -p no:cacheprovider -rs --tb=short)
+# --timeout (pytest-timeout, installed there): a hung test fails with its stack instead of
+# hiding every traceback behind the group's time limit.
+PYTEST=(python3 -m pytest -v -p no:cacheprovider -rs --tb=short --timeout=60)
 group() {  # group GPU LIMIT NAME TESTS...: one pytest on one GPU, logged to $OUT/NAME.log
   local gpu=$1 limit=$2 name=$3
   shift 3
@@ -20,7 +22,8 @@ G=tests/gpu
  group 0 50 structured $G/test_structured_cuda.py
  group 0 70 fp8-int4-engine "$G/test_engine_cuda.py::test_fp8_engine_with_cuda_graphs_matches_eager" \
    "$G/test_engine_cuda.py::test_fp8_kv_cache_with_cuda_graphs_matches_eager" \
-   "$G/test_int4_cuda.py::test_int4_cuda_graphs_and_compile_match_eager") &
+   "$G/test_int4_cuda.py::test_int4_cuda_graphs_and_compile_match_eager_fp32" \
+   "$G/test_int4_cuda.py::test_int4_bf16_cuda_graphs_match_eager_and_compile_tracks_it") &
 (group 1 170 piecewise $G/test_piecewise_cuda.py) &
 wait
 group 0,1 "${TP_LIMIT:-140}" tp $G/test_tensor_parallel_cuda.py -k "not fp32_greedy and not bf16_tracks"
