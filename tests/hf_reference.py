@@ -1,4 +1,5 @@
-"""Hugging Face transformers as the reference implementation for parity tests."""
+"""Hugging Face transformers as the reference implementation for parity tests, and the
+comparisons those tests share (greedy agreement, stability, logprob gaps)."""
 
 from __future__ import annotations
 
@@ -116,3 +117,47 @@ def linear_layer_pairs(
         head, _, leaf = n.rpartition(".")
         fused, shard = FUSED_SHARDS.get(leaf, (leaf, 0))
         yield n, hf, modules[f"{head}.{fused}"], shard, x, y.detach()
+
+
+def prompt_logprob_gap(a: list[Any], b: list[Any]) -> float:
+    """Mean |difference| of two runs' teacher-forced log-probabilities of the prompt tokens
+    (``RequestOutput.prompt_logprobs``, asked for with ``prompt_logprobs=0``): how far
+    apart two numerically different engines are, position by position, with no greedy
+    divergence compounding it."""
+    gaps = [
+        abs(pa[tok].logprob - pb[tok].logprob)
+        for oa, ob in zip(a, b, strict=True)
+        for tok, pa, pb in zip(
+            oa.prompt_token_ids, oa.prompt_logprobs, ob.prompt_logprobs, strict=True
+        )
+        if pa is not None and pb is not None
+    ]
+    return sum(gaps) / len(gaps)
+
+
+def fp8_tp2_and_quantization_gaps(
+    path: Path, prompts: list[list[int]], **kw: Any
+) -> tuple[float, float]:
+    """(FP8 TP=2 against FP8 TP=1, FP8 TP=1 against bf16 TP=1): prompt-logprob gaps of a
+    bf16 checkpoint quantized at load. Row-parallel layers quantize each rank's half of
+    their input with its own per-token scale, so TP=2 rounds differently from TP=1; that
+    difference must stay within the quantization's own (it is the same kind of error)."""
+    from kvscale.server import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    runs = {}
+    for name, extra in {
+        "bf16": dict(tensor_parallel_size=1),
+        "fp8-tp1": dict(tensor_parallel_size=1, quantization="fp8"),
+        "fp8-tp2": dict(tensor_parallel_size=2, quantization="fp8"),
+    }.items():
+        llm = LLM(str(path), dtype="bfloat16", **extra, **kw)
+        try:
+            runs[name] = llm.generate(prompts, params)
+        finally:
+            llm.engine.core.shutdown()
+            del llm
+    return (
+        prompt_logprob_gap(runs["fp8-tp2"], runs["fp8-tp1"]),
+        prompt_logprob_gap(runs["fp8-tp1"], runs["bf16"]),
+    )

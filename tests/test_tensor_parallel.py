@@ -35,7 +35,7 @@ from kvscale.server.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvscale.server.models.loader import iter_tensors, load_model
 from kvscale.server.parallel import SINGLE, ParallelState, padded_vocab_size
 from kvscale.server.quantization import LinearMethod, set_weight_attrs
-from tests.hf_reference import random_prompts
+from tests.hf_reference import fp8_tp2_and_quantization_gaps, random_prompts
 
 ODD_VOCAB = 31999
 PROMPTS = [[t % ODD_VOCAB for t in p] for p in random_prompts(12, (2, 70), seed=5)]
@@ -396,3 +396,15 @@ def test_settings_and_start_up_checks(ckpts: dict[str, Path]) -> None:
     assert env["NVSHMEM_DISABLE_NVLS"] == "1"
     with pytest.raises(ValueError, match="watchdog_timeout must be"):
         EngineConfig(model=path, watchdog_timeout=0)
+
+
+def test_fp8_at_load_tp2_stays_within_the_quantization_error(
+    checkpoint_factory: Callable[..., Path],
+) -> None:
+    """Each rank quantizes its half of a row-parallel input per token, so FP8 TP=2 is not
+    FP8 TP=1 bit for bit; it must be as close to it as FP8 is to bf16."""
+    path = checkpoint_factory("tp-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
+    tp_gap, quant_gap = fp8_tp2_and_quantization_gaps(
+        path, PROMPTS, device="cpu", num_kv_blocks=64, max_model_len=96
+    )
+    assert 0 < tp_gap <= quant_gap

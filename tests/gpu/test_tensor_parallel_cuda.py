@@ -34,7 +34,7 @@ import torch
 
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.distributed.group import NCCL_ENV
-from tests.hf_reference import random_prompts
+from tests.hf_reference import fp8_tp2_and_quantization_gaps, random_prompts
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -199,27 +199,12 @@ def test_tp2_prefix_caching_gives_the_uncached_tokens(
 
 
 def test_tp2_fp8_at_load_tracks_tp1(checkpoint_factory: Callable[..., Path]) -> None:
-    """Row-parallel layers quantize each rank's half of their input per token, so FP8
-    TP=2 rounds a little differently from TP=1: first tokens agree, logprobs are close."""
+    """FP8 TP=2 is as close to FP8 TP=1 as FP8 is to bf16 (tests/hf_reference.py says why
+    they differ at all); the CPU test checks the same over gloo."""
     path = checkpoint_factory("gpu-tp-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1, ignore_eos=True)
-    out: dict[int, list[Any]] = {}
-    for tp in (1, 2):
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", quantization="fp8",
-                  tensor_parallel_size=tp, **FIXED_POOL)  # fmt: skip
-        try:
-            out[tp] = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
-        finally:
-            _free(llm)
-        del llm  # gone before the next engine is built
-        gc.collect()
-        torch.cuda.empty_cache()
-    same = [a.token_ids == b.token_ids for a, b in zip(out[1], out[2], strict=True)]
-    assert sum(same) >= len(PROMPTS) - 1
-    for a, b, eq in zip(out[1], out[2], same, strict=True):
-        if eq:
-            tok = a.token_ids[0]
-            assert abs(a.logprobs[0][tok].logprob - b.logprobs[0][tok].logprob) < 0.15
+    tp_gap, quant_gap = fp8_tp2_and_quantization_gaps(path, PROMPTS, device="cuda", **FIXED_POOL)
+    print(f"prompt-logprob gap: FP8 TP=2 vs TP=1 {tp_gap:.4f}, FP8 vs bf16 {quant_gap:.4f}")
+    assert tp_gap <= quant_gap
 
 
 # ---- failures: the server exits non-zero with the reason ---------------------------------
