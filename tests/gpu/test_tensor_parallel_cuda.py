@@ -6,9 +6,10 @@
   Llama (2 KV heads split, 1 KV head replicated, odd vocabulary) and Qwen2, under forced
   chunked prefill and preemption; decode steps really replay graphs.
 - The decode graphs hold the all-reduces: a graph-replay step launches no all-reduce
-  from the host (only the token broadcast), and graphs give eager's tokens.
-- bf16 TP=2 tracks TP=1 as closely as bf16 tracks fp32; prefix caching and FP8 (at load)
-  with TP=2.
+  from the host (only the token broadcast), and graphs give eager's tokens up to near
+  ties (fp32).
+- bf16 TP=2 tracks TP=1 as closely as bf16 tracks fp32; with TP=2, prefix caching gives
+  the uncached tokens up to near ties and FP8 (at load) stays within FP8's own error.
 - A rank killed (SIGKILL) or stopped (SIGSTOP, caught by --watchdog-timeout) mid-stream
   makes ``kvscale serve`` fail the stream and exit non-zero with the reason, in bounded
   time (NCCL never errors on a lost peer: this is the monitor's path).
@@ -34,7 +35,11 @@ import torch
 
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.distributed.group import NCCL_ENV
-from tests.hf_reference import fp8_tp2_and_quantization_gaps, random_prompts
+from tests.hf_reference import (
+    assert_greedy_agrees_up_to_near_ties,
+    fp8_tp2_and_quantization_gaps,
+    random_prompts,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -46,6 +51,7 @@ STRESS = dict(
     max_num_batched_tokens=32, max_num_seqs=16, num_kv_blocks=16, block_size=16, max_model_len=128
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+GREEDY_LOGPROBS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
 # A fixed KV pool for tests that build engines one after another: one sized from free
 # memory counts an earlier engine not yet collected against the next.
 FIXED_POOL = dict(num_kv_blocks=256)
@@ -75,6 +81,11 @@ def _run(path: Path, prompts: list[list[int]] = PROMPTS, params: SamplingParams 
     """The greedy tokens of an engine that is gone (its ranks stopped, its GPU memory
     released) on return: the next engine, if it sizes its KV pool from free memory, must
     not count this one's pool against it (a caller's reference would keep it alive)."""
+    return [c.token_ids for c in _outputs(path, prompts, params, **kw)]
+
+
+def _outputs(path: Path, prompts: list[list[int]], params: SamplingParams, **kw: Any) -> list[Any]:
+    """``_run``'s engine, returning each prompt's ``CompletionOutput`` (logprobs too)."""
     llm = LLM(str(path), device="cuda", **kw)
     try:
         outs = llm.generate(prompts, params)
@@ -83,7 +94,7 @@ def _run(path: Path, prompts: list[list[int]] = PROMPTS, params: SamplingParams 
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0] for o in outs]
 
 
 def _count_replays(llm: LLM) -> dict[str, int]:
@@ -127,12 +138,13 @@ def test_decode_graphs_hold_the_all_reduces(checkpoint_factory: Callable[..., Pa
     from torch.profiler import ProfilerActivity, profile
 
     path = checkpoint_factory("gpu-tp-llama", **ARCHES["llama"])
-    kw: dict[str, Any] = dict(dtype="bfloat16", tensor_parallel_size=2, **FIXED_POOL)
-    eager = _run(path, enforce_eager=True, **kw)
+    kw: dict[str, Any] = dict(dtype="float32", tensor_parallel_size=2, **FIXED_POOL)
+    eager = _outputs(path, PROMPTS, GREEDY_LOGPROBS, enforce_eager=True, **kw)
     llm = LLM(str(path), device="cuda", **kw)
     try:
         graphs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        assert graphs == eager  # same kernels, same sums: graphs change nothing
+        # Same kernels; NCCL may order a captured all-reduce's sums differently.
+        assert_greedy_agrees_up_to_near_ties(eager, graphs, atol=1e-3, max_diverged=2)
         eng = llm.engine
         eng.add_request("d", PROMPTS[0], SamplingParams(temperature=0, max_tokens=40))
         for _ in range(4):  # prefill, then decode steps only
@@ -187,7 +199,7 @@ def test_tp2_prefix_caching_gives_the_uncached_tokens(
     system = PROMPTS[0] * 3  # a shared prefix of several 16-token blocks
     prompts = [system + p[1:] for p in PROMPTS[:8]]
     kw = dict(dtype="float32", tensor_parallel_size=2, max_model_len=512, **FIXED_POOL)
-    off = _run(path, prompts, enable_prefix_caching=False, **kw)
+    off = _outputs(path, prompts, GREEDY_LOGPROBS, enable_prefix_caching=False, **kw)
     llm = LLM(str(path), device="cuda", enable_prefix_caching=True, **kw)
     try:
         on = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
@@ -195,7 +207,8 @@ def test_tp2_prefix_caching_gives_the_uncached_tokens(
     finally:
         _free(llm)
     assert stats.prefix_cache_hits > 0
-    assert on == off
+    # Cached prompts are prefilled from the first uncached block: other chunks, other sums.
+    assert_greedy_agrees_up_to_near_ties(off, on, atol=1e-3, max_diverged=2)
 
 
 def test_tp2_fp8_at_load_tracks_tp1(checkpoint_factory: Callable[..., Path]) -> None:
