@@ -153,7 +153,21 @@ class BlockManager:
 
     def free(self, block_table: list[int]) -> None:
         """Drops this table's references (last block first) and empties the table."""
-        for block in reversed(block_table):
+        self._release(block_table, 0)
+
+    def truncate(self, block_table: list[int], num_tokens: int) -> int:
+        """Shrinks ``block_table`` in place to the blocks covering its first ``num_tokens``
+        tokens, dropping the references of the rest (last block first); returns how many
+        blocks it dropped. Speculative decoding's rollback of rejected positions: the kept
+        blocks' K/V beyond ``num_tokens`` is stale and is overwritten when those positions
+        are computed again."""
+        keep = self.blocks_for(max(num_tokens, 0))
+        dropped = max(0, len(block_table) - keep)
+        self._release(block_table, keep)
+        return dropped
+
+    def _release(self, block_table: list[int], keep: int) -> None:
+        for block in reversed(block_table[keep:]):
             if self.ref_counts[block] <= 0:
                 raise BlockError(f"double free of block {block}")
             self.ref_counts[block] -= 1
@@ -162,4 +176,30 @@ class BlockManager:
                     self._evictable[block] = None
                 else:
                     self._plain.append(block)
-        block_table.clear()
+        del block_table[keep:]
+
+    def check(self, tables: Sequence[Sequence[int]]) -> None:
+        """Raises BlockError unless the pool is consistent with the live ``tables``: every
+        block's reference count is the number of times the tables hold it, the free lists
+        hold exactly the blocks with count zero (once each) and the cache maps agree."""
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for block in table:
+                counts[block] += 1
+        if counts != self.ref_counts:
+            bad = [b for b in range(self.num_blocks) if counts[b] != self.ref_counts[b]]
+            raise BlockError(f"reference counts disagree with the tables at blocks {bad[:8]}")
+        free = self.free_blocks
+        if len(free) != len(set(free)) or set(self._plain) & set(self._evictable):
+            raise BlockError("a block is on the free lists twice")
+        if sorted(free) != [b for b in range(self.num_blocks) if counts[b] == 0]:
+            raise BlockError("free lists disagree with the reference counts")
+        if any(self.block_hash[b] is not None for b in self._plain):
+            raise BlockError("a plain free block still has a hash")
+        if any(self.block_hash[b] is None for b in self._evictable):
+            raise BlockError("an evictable block has no hash")
+        for h, b in self.cached.items():
+            if self.block_hash[b] != h:
+                raise BlockError(f"cache entry of block {b} disagrees with its hash")
+        if sum(h is not None for h in self.block_hash) != len(self.cached):
+            raise BlockError("a hashed block is not in the cache map")
