@@ -23,8 +23,11 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-export STORAGE_DRIVER=${STORAGE_DRIVER:-vfs}
+# chroot isolation: no daemon, cgroups or user namespaces needed (as root on a plain VM).
 export BUILDAH_ISOLATION=${BUILDAH_ISOLATION:-chroot}
+# buildah's configured storage driver (overlay where the kernel allows it); STORAGE_DRIVER=vfs
+# (slower: full copies) where overlay mounts are not allowed. One driver per storage root.
+buildah() { command buildah ${STORAGE_DRIVER:+--storage-driver "$STORAGE_DRIVER"} "$@"; }
 REGISTRY=${REGISTRY:-ghcr.io/kvscale}
 TAG=${TAG:-$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)}
 BASE_LOCAL=localhost/kvscale-python:3.11-bookworm
