@@ -1,4 +1,5 @@
-"""The Dockerfiles (no image can be built here): entrypoints match the CLIs, pins, non-root."""
+"""The Dockerfiles, statically: entrypoints match the CLIs, pins, non-root, labels match the chart
+(tests/images builds and runs the images)."""
 
 from __future__ import annotations
 
