@@ -95,9 +95,35 @@ with open(os.path.join(out, "mounts"), "w") as f:
     f.write("".join(p + "\n" for p in sorted(paths)))
 EOF
 VOLUMES=(-v "$PIPDIR/pip.conf:/etc/pip.conf:ro")
+TARGETS=(/etc/pip.conf)
 while read -r path; do
-    [ -n "$path" ] && VOLUMES+=(-v "$path:$path:ro")
+    [ -n "$path" ] && VOLUMES+=(-v "$path:$path:ro") && TARGETS+=("$path")
 done <"$PIPDIR/mounts"
+
+# buildah leaves an empty file or folder where it bind-mounted a -v target (and the folders
+# it made above it): remove those the base image does not have, so the image holds nothing
+# of the build-time settings, not even their names.
+tidy() {
+    local image=$1 base=$2 ctr root bctr broot target path
+    ctr=$(buildah from --pull=never --quiet "$image")
+    root=$(buildah mount "$ctr")
+    bctr=$(buildah from --pull=never --quiet "$base")
+    broot=$(buildah mount "$bctr")
+    for target in "${TARGETS[@]}"; do
+        path=$target
+        while [ "$path" != / ] && [ ! -e "$broot$path" ]; do
+            if [ -f "$root$path" ] && [ ! -s "$root$path" ]; then
+                rm -f "$root$path"
+            elif [ -d "$root$path" ] && [ ! -L "$root$path" ]; then
+                rmdir "$root$path" 2>/dev/null || break  # not empty: not only a stub
+            fi
+            path=$(dirname "$path")
+        done
+    done
+    buildah umount "$bctr" >/dev/null && buildah rm "$bctr" >/dev/null
+    buildah umount "$ctr" >/dev/null
+    buildah commit --quiet --rm "$ctr" "$image" >/dev/null
+}
 log "pip settings for the build: $(tr '\n' ' ' <"$PIPDIR/pip.conf")"
 
 BASE_ARGS=()
@@ -120,6 +146,7 @@ for name in "${IMAGES[@]}"; do
     buildah bud --quiet --layers=false \
         -f "docker/$name.Dockerfile" --ignorefile "docker/$name.Dockerfile.dockerignore" \
         "${BASE_ARGS[@]}" "${extra[@]}" "${VOLUMES[@]}" -t "$image" . >/dev/null
+    tidy "$image" "${PYTHON_IMAGE:-$BASE_LOCAL}"
     secs=$((SECONDS - start))
     size=$(image_size "$image")
     log "built $image in $secs s, $size"

@@ -123,6 +123,11 @@ class Container:
                 files[key] = (st.st_mode, st.st_size, st.st_mtime_ns if name in filenames else 0)
         return files
 
+    def assert_no_build_settings(self) -> None:
+        """The build's pip.conf and local indexes were bind-mounted: not even stubs remain."""
+        assert not (self.root / "etc" / "pip.conf").exists()
+        assert sorted(p.name for p in (self.root / "opt").iterdir()) == ["venv"]
+
     def close(self) -> None:
         subprocess.run(["buildah", *DRIVER, "umount", self.id], env=ENV, capture_output=True)
         subprocess.run(["buildah", *DRIVER, "rm", self.id], env=ENV, capture_output=True)
@@ -202,6 +207,7 @@ def test_server_image_serves_drains_and_writes_only_tmp(server: Container, tmp_p
         server.labels["org.opencontainers.image.title"]
         == (values["serverImage"]["repository"].rsplit("/", 1)[1])
     )
+    server.assert_no_build_settings()
     before = server.snapshot()
     assert len(before) > 1000  # the image's whole root (torch alone has thousands of files)
     port = _free_port()  # the image's CMD with its port moved off 8000 (shared host network)
@@ -253,6 +259,7 @@ def test_operator_image_reconciles_an_example(images: dict[str, str], tmp_path: 
     c = Container(images["operator"])
     try:
         assert c.entrypoint == ["kopf"] and c.user == "1000:1000"
+        c.assert_no_build_settings()
         assert (
             c.labels["org.opencontainers.image.title"]
             == (_chart_values()["image"]["repository"].rsplit("/", 1)[1])
