@@ -142,11 +142,17 @@ for name in "${IMAGES[@]}"; do
         [ -z "${TORCH_INDEX_URL:-}" ] || extra+=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
     fi
     start=$SECONDS
+    previous=$(buildah images --quiet --no-trunc "$image" 2>/dev/null || true)
     log "building $image"
     buildah bud --quiet --layers=false \
         -f "docker/$name.Dockerfile" --ignorefile "docker/$name.Dockerfile.dockerignore" \
-        "${BASE_ARGS[@]}" "${extra[@]}" "${VOLUMES[@]}" -t "$image" . >/dev/null
+        "${BASE_ARGS[@]}" "${extra[@]}" "${VOLUMES[@]}" --iidfile "$PIPDIR/iid" -t "$image" . \
+        >/dev/null
     tidy "$image" "${PYTHON_IMAGE:-$BASE_LOCAL}"
+    # the untidied image and the one this build replaces, now nameless: not kept around
+    for old in $(cat "$PIPDIR/iid") $previous; do
+        buildah rmi "$old" >/dev/null 2>&1 || true
+    done
     secs=$((SECONDS - start))
     size=$(image_size "$image")
     log "built $image in $secs s, $size"
