@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # directory off sys.path for `python -m`/`-c`, or it would shadow the stdlib module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: venv test serve lint e2e clean prometheus
+.PHONY: venv test serve lint e2e clean prometheus buildah images
 
 venv: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml setup.py requirements-dev.txt requirements-eval.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-test: venv prometheus
+test: venv prometheus buildah
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
@@ -33,6 +33,19 @@ prometheus:
 		echo "installing the prometheus server (apt-get)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; \
 	}
+
+# The image smoke tests (tests/images) build and run the images with buildah (no Docker
+# daemon), on a Debian base made by mmdebstrap: Debian's packages, installed when missing.
+buildah:
+	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || { \
+		echo "installing buildah and mmdebstrap (apt-get)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah mmdebstrap; \
+	}
+
+# Both images with buildah: ghcr.io/kvscale/kvscale-{server,operator}:<version>.
+# TORCH_VERSION=2.13.0 for a CPU test build; PYTHON_IMAGE=python:3.11.13-slim-bookworm with a registry.
+images: buildah
+	docker/build-images.sh
 
 serve: venv
 	$(BIN)/kvscale serve --model demo

@@ -9,7 +9,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY docker/operator-requirements.txt /tmp/requirements.txt
-RUN pip install --no-deps -r /tmp/requirements.txt
+# setuptools/wheel for building /src without isolation (pyproject: setuptools>=68, newer
+# than the base's venv has); removed again below, the final image has no build tools.
+RUN pip install --no-deps -r /tmp/requirements.txt setuptools==84.2.1 wheel==0.48.0
 # Only the operator's code; --no-deps keeps the server's torch stack out of this image.
 COPY pyproject.toml setup.py README.md /src/
 COPY kvscale /src/kvscale
@@ -17,9 +19,15 @@ COPY operator /src/operator
 # setup.py maps server/ and kernels/ too: empty stand-ins, their code stays out of this image.
 RUN mkdir -p /src/server /src/kernels \
     && touch /src/server/__init__.py /src/kernels/__init__.py \
-    && pip install --no-deps --no-build-isolation /src
+    && pip install --no-deps --no-build-isolation /src \
+    && pip uninstall -y setuptools wheel
 
 FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="kvscale-operator" \
+      org.opencontainers.image.description="kvscale operator (kopf, LLMDeployment controller)" \
+      org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.source="https://github.com/kvscale/kvscale" \
+      org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/venv /opt/venv
 RUN useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin kvscale
 # The working directory must not contain an operator/ folder (it would shadow the stdlib).

@@ -10,8 +10,12 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first, pinned to the GPU machines' version (its own triton comes with it).
-RUN pip install torch==2.11.0
+# torch first, pinned to the GPU machines' version (its own triton comes with it). A CPU
+# build for tests: --build-arg TORCH_VERSION=2.13.0 with an index or find-links that serves
+# the +cpu wheel (e.g. --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu).
+ARG TORCH_VERSION=2.11.0
+ARG TORCH_INDEX_URL=
+RUN pip install ${TORCH_INDEX_URL:+--extra-index-url=$TORCH_INDEX_URL} torch==${TORCH_VERSION}
 # Everything else at the versions CI tests (requirements-dev.txt as constraints).
 COPY requirements-dev.txt /tmp/requirements-dev.txt
 RUN grep -vE '^(torch|triton)==' /tmp/requirements-dev.txt > /tmp/constraints.txt
@@ -23,6 +27,11 @@ COPY operator /src/operator
 RUN pip install -c /tmp/constraints.txt "/src[demo,serve]"
 
 FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="kvscale-server" \
+      org.opencontainers.image.description="kvscale inference server (kvscale serve)" \
+      org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.source="https://github.com/kvscale/kvscale" \
+      org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/venv /opt/venv
 RUN useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin kvscale
 WORKDIR /tmp

@@ -31,3 +31,18 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "make test" in ci
     assert "make test" in readme
+
+
+def test_every_code_folder_is_a_regular_package() -> None:
+    """find_packages (setup.py) skips folders without __init__.py: a wheel install (the
+    images) would lack them although an editable install imports them as namespaces."""
+    missing = [
+        str(d.relative_to(ROOT))
+        for top in ("kvscale", "server", "kernels", "operator")
+        for d in [ROOT / top, *(ROOT / top).rglob("*")]
+        if d.is_dir()
+        and "__pycache__" not in d.parts
+        and any(d.glob("*.py"))
+        and not (d / "__init__.py").exists()
+    ]
+    assert not missing

@@ -1,4 +1,5 @@
-"""The Dockerfiles (no image can be built here): entrypoints match the CLIs, pins, non-root."""
+"""The Dockerfiles, statically: entrypoints match the CLIs, pins, non-root, labels match the chart
+(tests/images builds and runs the images)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def test_images_are_pinned_and_run_as_non_root(name: str) -> None:
         if word == "RUN" and "pip install" in rest:
             for req in re.findall(r"pip install ([^&|]+)", rest):
                 for token in req.split():
+                    if token.startswith("${") and ":+" in token:
+                        continue  # an optional flag from a build argument, e.g. an index URL
                     if not token.startswith(("-", '"', "/", "fastapi", "uvicorn", "prometheus")):
                         assert "==" in token or token.startswith("-"), f"unpinned {token} in {name}"
     last = final_stage(DOCKER / name)
@@ -113,3 +116,39 @@ def test_operator_image_pins_match_the_tested_ones() -> None:
         if key in tested:
             assert tested[key] == version, f"{name}: image {version}, tests {tested[key]}"
     assert "kopf" in image and "torch" not in image
+
+
+def test_server_torch_is_pinned_and_selectable_by_build_argument() -> None:
+    steps = instructions(DOCKER / "server.Dockerfile")
+    args = dict(rest.split("=", 1) for word, rest in steps if word == "ARG" and "=" in rest)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["TORCH_VERSION"])  # the GPU build by default
+    assert "TORCH_INDEX_URL" in args
+    assert any(w == "RUN" and "torch==${TORCH_VERSION}" in rest for w, rest in steps)
+
+
+def _labels(name: str) -> dict[str, str]:
+    labels = {}
+    for word, rest in final_stage(DOCKER / name):
+        if word == "LABEL":
+            for key, value in re.findall(r'([\w.-]+)="([^"]*)"', rest):
+                labels[key] = value
+    return labels
+
+
+def test_image_labels_match_the_chart_and_the_package() -> None:
+    chart = yaml.safe_load((ROOT / "charts" / "kvscale" / "Chart.yaml").read_text())
+    values = yaml.safe_load((ROOT / "charts" / "kvscale" / "values.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    refs = {
+        "server.Dockerfile": values["serverImage"]["repository"],
+        "operator.Dockerfile": values["image"]["repository"],
+    }
+    for name, repository in refs.items():
+        labels = _labels(name)
+        assert labels["org.opencontainers.image.title"] == repository.rsplit("/", 1)[1]
+        # the chart's image tags default to its appVersion: the images carry that version
+        assert labels["org.opencontainers.image.version"] == str(chart["appVersion"])
+        assert labels["org.opencontainers.image.version"] == project["version"]
+        assert labels["org.opencontainers.image.licenses"] == project["license"]["text"]
+        assert labels["org.opencontainers.image.source"].startswith("https://")
+    assert values["image"]["tag"] == "" and values["serverImage"]["tag"] == ""

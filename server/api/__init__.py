@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API (FastAPI app, launcher, lifecycle, tool parsers)."""
