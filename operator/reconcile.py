@@ -308,30 +308,48 @@ async def reconcile(
         out.problems += pod_problems(pods, spec)
     out.problems += deployment_problems(deployment)
 
-    status = compute_status(
-        llmd,
-        spec,
-        deployment,
-        out.problems,
-        desired=desired
-        if spec is not None
-        else int((llmd.get("status") or {}).get("desiredReplicas") or 0),
-        selector=render.selector_string(name),
-        endpoint=render.endpoint(llmd, spec, config)
-        if spec is not None
-        else (llmd.get("status") or {}).get("endpoint"),
-        now=now,
-    )
+    # The status is written against the resourceVersion it was computed from: the
+    # autoscaler writes ScalingActive (and the replica counts) meanwhile, and a merge patch
+    # of a stale conditions list would put its old verdict back. On a conflict the pass
+    # recomputes from a fresh read, once; a second conflict is left to the pass that the
+    # change behind it triggers.
+    for attempt in (1, 2):
+        status = compute_status(
+            llmd,
+            spec,
+            deployment,
+            out.problems,
+            desired=desired
+            if spec is not None
+            else int((llmd.get("status") or {}).get("desiredReplicas") or 0),
+            selector=render.selector_string(name),
+            endpoint=render.endpoint(llmd, spec, config)
+            if spec is not None
+            else (llmd.get("status") or {}).get("endpoint"),
+            now=now,
+        )
+        patch = status_patch(llmd.get("status"), status)
+        if not patch:
+            break
+        body: dict[str, Any] = {"status": patch}
+        version = llmd["metadata"].get("resourceVersion")
+        if version is not None:
+            body["metadata"] = {"resourceVersion": version}
+        try:
+            await api.patch(LLMDEPLOYMENTS.path(ns, name, "status"), body)
+            out.status_written = True
+            break
+        except ApiError as e:
+            if e.status == 404:  # deleted meanwhile, nothing to report to
+                break
+            if e.status != 409:
+                raise
+            fresh = await api.get(LLMDEPLOYMENTS.path(ns, name))
+            if fresh is None or attempt == 2:
+                break
+            llmd = fresh
     out.status = status
     out.events += _condition_events(llmd.get("status") or {}, status)
-    patch = status_patch(llmd.get("status"), status)
-    if patch:
-        try:
-            await api.patch(LLMDEPLOYMENTS.path(ns, name, "status"), {"status": patch})
-            out.status_written = True
-        except ApiError as e:
-            if e.status != 404:  # 404: deleted meanwhile, nothing to report to
-                raise
     return out
 
 
