@@ -130,15 +130,15 @@ def draw(
     return (probs / noise).argmax(dim=-1)
 
 
-def sample(
+def target_distribution(
     logits: torch.Tensor,
     t: SamplingTensors,
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None,
     prompt_mask: torch.Tensor | None = None,
     output_counts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``logits [N, V]`` fp32 (modified in place) -> sampled token ids ``[N]`` int64."""
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """What each row samples from: ``logits [N, V]`` fp32 (modified in place) after
+    penalties, temperature and top-k/top-p/min-p. Returns ``(probs [N, V], or None when
+    every row is greedy; greedy_tokens [N]``, the argmax after penalties)``."""
     if t.do_penalties:
         assert prompt_mask is not None and output_counts is not None
         apply_penalties(
@@ -151,7 +151,7 @@ def sample(
         )
     greedy_tokens = logits.argmax(dim=-1)
     if t.all_greedy:
-        return greedy_tokens
+        return None, greedy_tokens
     logits.div_(torch.where(t.greedy, 1.0, t.temperature).unsqueeze(1))
     apply_top_k_top_p_min_p(
         logits,
@@ -159,7 +159,21 @@ def sample(
         t.top_p if t.do_top_p_min_p else None,
         t.min_p if t.do_top_p_min_p else None,
     )
-    probs = torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1), greedy_tokens
+
+
+def sample(
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+    prompt_mask: torch.Tensor | None = None,
+    output_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``logits [N, V]`` fp32 (modified in place) -> sampled token ids ``[N]`` int64."""
+    probs, greedy_tokens = target_distribution(logits, t, prompt_mask, output_counts)
+    if probs is None:
+        return greedy_tokens
     sampled = draw(probs, generators, default_generator)
     return torch.where(t.greedy, greedy_tokens, sampled)
 

@@ -1,6 +1,6 @@
 """The target's distributions at a verify step's ``k + 1`` positions per sequence, after
 the request's penalties, temperature, top-k, top-p and min-p, computed by the same
-functions in the same order as ``layers.sampler.sample`` (so a row's probabilities are
+function as ``layers.sampler.sample`` (``target_distribution``, so a row's probabilities are
 bit-identical to what normal sampling would draw from at that position).
 
 Penalties see the drafted tokens before each position as generated output: position ``j``
@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvscale.server.layers.sampler import (
-    SamplingTensors,
-    apply_penalties,
-    apply_top_k_top_p_min_p,
-)
+from kvscale.server.layers.sampler import SamplingTensors, target_distribution
 
 
 def expand_rows(t: SamplingTensors, repeats: int) -> SamplingTensors:
@@ -68,24 +64,7 @@ def verify_probs(
     ``t`` (and the penalty inputs) already per position (``expand_rows``,
     ``verify_output_counts``). Returns ``(probs [M, V], greedy_tokens [M])``: the greedy
     tokens are the argmax after penalties, as ``sample`` takes them."""
-    if t.do_penalties:
-        assert prompt_mask is not None and output_counts is not None
-        apply_penalties(
-            logits,
-            prompt_mask,
-            output_counts,
-            t.repetition_penalty,
-            t.presence_penalty,
-            t.frequency_penalty,
-        )
-    greedy_tokens = logits.argmax(dim=-1)
-    if t.all_greedy:
-        return torch.softmax(logits, dim=-1), greedy_tokens
-    logits.div_(torch.where(t.greedy, 1.0, t.temperature).unsqueeze(1))
-    apply_top_k_top_p_min_p(
-        logits,
-        t.top_k if t.do_top_k else None,
-        t.top_p if t.do_top_p_min_p else None,
-        t.min_p if t.do_top_p_min_p else None,
-    )
-    return torch.softmax(logits, dim=-1), greedy_tokens
+    probs, greedy_tokens = target_distribution(logits, t, prompt_mask, output_counts)
+    if probs is None:  # all greedy: the penalised logits' own distribution
+        probs = torch.softmax(logits, dim=-1)
+    return probs, greedy_tokens
