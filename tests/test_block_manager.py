@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,12 +19,7 @@ OPS = st.lists(
 
 
 def _check(bm: BlockManager, tables: dict[int, list[int]]) -> None:
-    held = Counter(b for t in tables.values() for b in t)
-    for block in range(bm.num_blocks):
-        assert bm.ref_counts[block] == held[block]
-    free = list(bm.free_blocks)
-    assert len(free) == len(set(free))
-    assert set(free) == {b for b in range(bm.num_blocks) if held[b] == 0}
+    bm.check(list(tables.values()))  # reference counts, free lists, cache maps
     assert 0.0 <= bm.usage <= 1.0
 
 

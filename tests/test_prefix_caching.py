@@ -4,7 +4,6 @@ isolate tenants, the hash chain, and property tests of the caching block manager
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -188,21 +187,10 @@ def test_caching_block_manager_keeps_its_invariants(
 def _check(
     bm: BlockManager, tables: dict[int, list[int]], tokens: dict[int, list[int]], bs: int
 ) -> None:
-    held = Counter(b for t in tables.values() for b in t)
-    for block in range(bm.num_blocks):
-        assert bm.ref_counts[block] == held[block]
+    # reference counts, free lists (a free block is evictable exactly when it still holds
+    # a cached hash), the cache index and the per-block hashes agreeing
+    bm.check(list(tables.values()))
     free = bm.free_blocks
-    assert len(free) == len(set(free)) and set(free) == {
-        b for b in held.keys() ^ set(range(bm.num_blocks))
-    }
-    evictable = set(bm.evictable_blocks)
-    assert evictable <= set(free)
-    # a free block is evictable exactly when it still holds a cached hash
-    for b in free:
-        assert (b in evictable) == (bm.block_hash[b] is not None)
-    # the cache index and the per-block hashes agree, one block per hash
-    assert {bm.block_hash[b]: b for b in bm.cached.values()} == bm.cached
-    assert sum(h is not None for h in bm.block_hash) == len(bm.cached)
     # a cached block in use holds the content its hash names
     for key, table in tables.items():
         if not table:

@@ -126,24 +126,16 @@ def test_point_mass_rejects_impossible_token_and_never_resamples_it():
     gen = torch.Generator().manual_seed(0)
     n = 2000
     tp = torch.tensor([0.5, 0.5, 0.0]).expand(n, 2, 3).contiguous()
-    drafts = torch.full((n, 1), 2)
-    res = rejection_sample(
-        tp,
-        drafts,
-        torch.ones(n, dtype=torch.int64),
-        torch.zeros(n, dtype=torch.bool),
-        default=gen,
-    )
+
+    def verify(token: int):  # every row drafts ``token`` with a point-mass proposal
+        drafts = torch.full((n, 1), token, dtype=torch.int64)
+        ones, sampled = torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool)
+        return rejection_sample(tp, drafts, ones, sampled, default=gen)
+
+    res = verify(2)
     assert int(res.num_accepted.sum()) == 0
     assert set(res.tokens[:, 0].tolist()) == {0, 1}
-    drafts = torch.zeros(n, 1, dtype=torch.int64)
-    res = rejection_sample(
-        tp,
-        drafts,
-        torch.ones(n, dtype=torch.int64),
-        torch.zeros(n, dtype=torch.bool),
-        default=gen,
-    )
+    res = verify(0)
     # accepted with probability p(0) = 0.5; a rejection resamples from p without token 0
     assert abs(res.accepted_mask[:, 0].double().mean().item() - 0.5) < 0.05
     assert bool((res.tokens[~res.accepted_mask[:, 0], 0] == 1).all())
