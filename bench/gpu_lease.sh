@@ -45,6 +45,23 @@ plan_round() {
   bench peers 300 peer-latency,peer-a
 }
 
+# Issues 23 and 24 on nvidia-h200-x2 / nvidia-h100-x2: every single-GPU test, one GPU per
+# group (the 8B-shaped checkpoint is written on GPU 0 first), then the TP=2 tests and the
+# TP=1 vs TP=2 measurements on both. pytest-timeout gives each hung test its stack.
+plan_x2() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  (export CUDA_VISIBLE_DEVICES=0
+   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+   step tests-kernels 420 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels) &
+  (export CUDA_VISIBLE_DEVICES=1
+   step tests-gpu 600 "${pt[@]}" tests/gpu --ignore=tests/gpu/test_tensor_parallel_cuda.py) &
+  wait
+  step tests-tp 300 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
+  bench tp 600 ceilings,tp1,tp2,allreduce
+  bench serve-tp 600 serve,serve-tp2 --concurrency 64,256
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
