@@ -1,0 +1,61 @@
+"""What every proposer of draft tokens gives the engine, and the interface it implements.
+
+The engine asks for drafts once per step, for the running sequences that may speculate,
+with their accepted tokens (prompt + output, all known on the host). A proposer returns up
+to ``k`` tokens per sequence and, when it sampled them, the exact distribution each was
+sampled from (``q``), so the rejection sampler keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence to draft for."""
+
+    seq_id: int
+    token_ids: Sequence[int]  # its accepted tokens: prompt + output (no placeholders)
+    k: int  # drafts wanted, >= 1
+    temperature: float = 0.0  # 0: greedy (a draft model proposes its argmax)
+    seed: int | None = None  # a seeded request: the draft's sampling is seeded too
+
+
+@dataclass
+class Proposal:
+    """Drafts of a batch of ``B`` requests, ``K = max k``.
+
+    ``q_ids``/``q_probs`` ``[B, K, M]``: the support and probabilities (float32, summing to
+    1 over M per drafted position, zero-padded) of the distribution each draft token was
+    sampled from; None means point masses at the drafted tokens (n-gram lookup, greedy
+    drafts)."""
+
+    tokens: np.ndarray  # [B, K] int64, -1 past num_tokens
+    num_tokens: np.ndarray  # [B] int64, 0..k of that request
+    q_ids: np.ndarray | None = None
+    q_probs: np.ndarray | None = None
+
+    @staticmethod
+    def empty(batch: int, k: int) -> Proposal:
+        return Proposal(np.full((batch, k), -1, np.int64), np.zeros(batch, np.int64))
+
+
+class Proposer(Protocol):
+    """N-gram lookup, or a draft model in process or in a sidecar."""
+
+    name: str  # "ngram" or "draft"
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        """Drafts for each request (never raises for an unavailable draft: no drafts)."""
+        ...
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Forgets the state of sequences that finished or were preempted."""
+        ...
+
+    def close(self) -> None: ...
