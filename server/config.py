@@ -67,7 +67,7 @@ GROUPS = {
     "model": "model",
     "engine": "engine",
     "compilation": "CUDA graphs and compilation",
-    "features": "features not supported yet (any value but the default is refused at start)",
+    "speculative": "speculative decoding",
 }
 
 
@@ -80,13 +80,11 @@ def setting(
     min: float | None = None,
     max: float | None = None,
     min_exclusive: bool = False,
-    not_yet: str | None = None,
     cli: bool = True,
 ) -> Any:
     """A field of ``EngineConfig`` with what validation, the CLI and docs need.
 
     ``choices``/``min``/``max``: allowed values (None always passes: "not set").
-    ``not_yet``: the feature's name; any value but the default is refused for now.
     ``cli``: False for settings that are not command-line flags.
     """
     meta = dict(
@@ -96,7 +94,6 @@ def setting(
         min=min,
         max=max,
         min_exclusive=min_exclusive,
-        not_yet=not_yet,
         cli=cli,
     )
     return field(default=default, metadata=meta)
@@ -219,14 +216,42 @@ class EngineConfig:
         "fp8_e4m3 (FP8 E4M3 with per-layer scales: the checkpoint's, else calibrated at start)",
         choices=("auto", "fp8", "fp8_e4m3"),
     )
-    speculative_model: str | None = setting(
-        None, "draft model", group="features", not_yet="speculative decoding is not supported yet"
-    )
-    num_speculative_tokens: int | None = setting(
+    speculative_method: str | None = setting(
         None,
-        "tokens drafted per step",
-        group="features",
-        not_yet="speculative decoding is not supported yet",
+        "speculative decoding: ngram (prompt lookup, no model) | draft (a draft model, "
+        "--speculative-model); drafted tokens are verified exactly against this model",
+        group="speculative",
+        choices=("ngram", "draft"),
+    )
+    speculative_model: str | None = setting(
+        None,
+        "the draft: a checkpoint folder (placement inprocess) or the sidecar's socket "
+        "(unix:///path, placement sidecar; see kvscale serve-draft)",
+        group="speculative",
+    )
+    speculative_placement: str | None = setting(
+        None,
+        "where the draft runs: inprocess (this engine's process and device) | sidecar "
+        "(another process on a Unix socket); default: sidecar for a unix:// model, else "
+        "inprocess",
+        group="speculative",
+        choices=("inprocess", "sidecar"),
+    )
+    num_speculative_tokens: int = setting(
+        4, "most tokens drafted per sequence and step", group="speculative", min=1, max=16
+    )
+    ngram_min: int = setting(
+        2, "n-gram: shortest suffix that may match", group="speculative", min=1, max=16
+    )
+    ngram_max: int = setting(
+        4, "n-gram: longest suffix tried first", group="speculative", min=1, max=16
+    )
+    speculative_disable_by_batch_size: int = setting(
+        32,
+        "speculation pauses while more sequences than this run (large batches are compute "
+        "bound: verifying drafts then costs more than it saves); the steps are pipelined again",
+        group="speculative",
+        min=1,
     )
     tensor_parallel_size: int = setting(
         1,
@@ -257,6 +282,7 @@ class EngineConfig:
                 f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
             )
         check_engine_settings(self)
+        check_speculative(self)
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -267,6 +293,15 @@ class EngineConfig:
                 "rank r runs on GPU r of those visible; use device 'cuda' (or 'auto') and "
                 "CUDA_VISIBLE_DEVICES to choose the GPUs"
             )
+
+    @property
+    def draft_placement(self) -> str | None:
+        """Where the draft model runs (None: no draft model)."""
+        if self.speculative_method != "draft":
+            return None
+        if self.speculative_placement:
+            return self.speculative_placement
+        return "sidecar" if (self.speculative_model or "").startswith("unix://") else "inprocess"
 
     # ---- the command line -------------------------------------------------------------
     @classmethod
@@ -357,11 +392,34 @@ class EngineConfig:
         )
 
 
+def check_speculative(cfg: EngineConfig) -> None:
+    """The speculative settings fit together; ValueError saying what to change."""
+    method, model = cfg.speculative_method, cfg.speculative_model
+    if cfg.ngram_min > cfg.ngram_max:
+        raise ValueError(f"ngram_min={cfg.ngram_min} must be <= ngram_max={cfg.ngram_max}")
+    if method == "draft" and not model:
+        raise ValueError(
+            "speculative_method='draft' needs speculative_model: a draft checkpoint folder, "
+            "or unix:///path of a kvscale serve-draft sidecar"
+        )
+    if method != "draft" and (model or cfg.speculative_placement):
+        raise ValueError(
+            f"speculative_model/placement are for speculative_method='draft' "
+            f"(speculative_method={method!r}, speculative_model={model!r})"
+        )
+    if method == "draft" and model:
+        placement = cfg.draft_placement
+        if (placement == "sidecar") != model.startswith("unix://"):
+            raise ValueError(
+                f"speculative_placement={placement!r} with speculative_model={model!r}: a "
+                "sidecar is reached at unix:///path/to.sock, an inprocess draft is a "
+                "checkpoint folder"
+            )
+
+
 def _check_setting(f: Field[Any], value: Any, hint: Any) -> None:
-    """Type, bounds, choices and "not yet" of one setting; ValueError naming it."""
+    """Type, bounds and choices of one setting; ValueError naming it."""
     meta = f.metadata
-    if meta.get("not_yet") and value not in (f.default, None, False, 0, "none"):
-        raise ValueError(f"{f.name}={value!r}: {meta['not_yet']}")
     if value is None:
         if type(None) not in typing.get_args(hint):
             raise ValueError(f"{f.name} must be set")
@@ -378,12 +436,12 @@ def _check_setting(f: Field[Any], value: Any, hint: Any) -> None:
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ValueError(f"{f.name} must be one of {meta['choices']}, got {value!r}")
     lo, hi = meta["min"], meta["max"]
+    low = "(" if meta["min_exclusive"] else "["
     if lo is not None and (value <= lo if meta["min_exclusive"] else value < lo):
         if hi is not None:
-            raise ValueError(f"{f.name} must be in ({lo}, {hi}], got {value!r}")
+            raise ValueError(f"{f.name} must be in {low}{lo}, {hi}], got {value!r}")
         raise ValueError(f"{f.name} must be >= {lo}, got {value!r}")
     if hi is not None and value > hi:
-        low = "(" if meta["min_exclusive"] else "["
         raise ValueError(f"{f.name} must be in {low}{lo}, {hi}], got {value!r}")
 
 

@@ -10,14 +10,42 @@ from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 
+# vLLM's speculative_config keys -> EngineConfig settings
+SPECULATIVE_KEYS = {
+    "method": "speculative_method",
+    "model": "speculative_model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "ngram_min",
+    "prompt_lookup_max": "ngram_max",
+    "placement": "speculative_placement",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
+
+
+def speculative_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """``EngineConfig`` keywords from a vLLM-style ``speculative_config``."""
+    unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config: unknown key {unknown[0]!r}; allowed: {sorted(SPECULATIVE_KEYS)}"
+        )
+    return {SPECULATIVE_KEYS[k]: v for k, v in config.items()}
+
 
 class LLM:
     """``LLM(model, **settings)``: ``model`` is a checkpoint folder or "demo"; the
     keywords are ``EngineConfig``'s settings (``dtype``, ``device``, ``block_size``,
     ``num_kv_blocks``, ``max_num_seqs``, ``max_model_len``, ``seed``, ...), with the same
-    defaults and validation as ``kvscale serve``'s flags."""
+    defaults and validation as ``kvscale serve``'s flags. ``speculative_config``: a
+    dict with vLLM's keys (``method``: ngram | draft, ``model``,
+    ``num_speculative_tokens``, ``prompt_lookup_min``, ``prompt_lookup_max``,
+    ``disable_by_batch_size``) plus ``placement`` (inprocess | sidecar)."""
 
-    def __init__(self, model: str, **settings: Any) -> None:
+    def __init__(
+        self, model: str, speculative_config: dict[str, Any] | None = None, **settings: Any
+    ) -> None:
+        if speculative_config is not None:
+            settings.update(speculative_settings(speculative_config))
         # generate() returns final outputs only
         config = EngineConfig(model=model, **{**settings, "stream_outputs": False})
         self.engine = LLMEngine(config)

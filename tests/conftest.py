@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -31,6 +32,7 @@ def _fresh_dynamo() -> Iterator[None]:
     yield
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
+
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -59,3 +61,28 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 @pytest.fixture(scope="session")
 def llama_ckpt(checkpoint_factory: Callable[..., Path]) -> Path:
     return checkpoint_factory("llama", arch="llama")
+
+
+def echo_checkpoint(src: Path, dst: Path) -> Path:
+    """``src`` with every layer's output projections zeroed and the head tied to the
+    embedding: the residual stream is the token's embedding, so greedy decoding repeats
+    the last token (a model whose output n-gram lookup predicts exactly)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        w = load_file(f)
+        for name in w:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                w[name] = torch.zeros_like(w[name])
+        if "lm_head.weight" in w:
+            w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+        save_file(w, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="session")
+def echo_ckpt(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return echo_checkpoint(llama_ckpt, tmp_path_factory.mktemp("echo") / "ckpt")

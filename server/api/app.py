@@ -141,6 +141,16 @@ def _subtract(s: EngineStats, base: EngineStats | None) -> EngineStats:
         generation_tokens=s.generation_tokens - base.generation_tokens,
         num_preemptions=s.num_preemptions - base.num_preemptions,
         finished={k: v for k, v in finished.items() if v},
+        spec_num_drafts=s.spec_num_drafts - base.spec_num_drafts,
+        spec_num_draft_tokens=s.spec_num_draft_tokens - base.spec_num_draft_tokens,
+        spec_num_accepted_tokens=s.spec_num_accepted_tokens - base.spec_num_accepted_tokens,
+        spec_accepted_per_pos=[
+            a - b
+            for a, b in zip(
+                s.spec_accepted_per_pos, base.spec_accepted_per_pos or [0] * 16, strict=False
+            )
+        ],
+        spec_draft_failures=s.spec_draft_failures - base.spec_draft_failures,
     )
 
 

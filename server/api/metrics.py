@@ -65,6 +65,21 @@ METRICS: dict[str, tuple[str, str]] = {
     "num_preemptions": ("counter", "Sequences preempted (KV blocks freed, recomputed later)."),
     "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache."),
+    "spec_decode_num_drafts": (
+        "counter",
+        "Speculative verify rows (a sequence's drafts in a step).",
+    ),
+    "spec_decode_num_draft_tokens": ("counter", "Tokens drafted for verification."),
+    "spec_decode_num_accepted_tokens": ("counter", "Drafted tokens accepted by verification."),
+    "spec_decode_num_accepted_tokens_per_pos": (
+        "counter",
+        "Drafted tokens accepted, by position in the draft (0-based).",
+    ),
+    "spec_decode_draft_available": (
+        "gauge",
+        "1 while the draft sidecar answers, 0 while the server runs without speculation.",
+    ),
+    "spec_decode_draft_failures": ("counter", "Proposal calls the draft sidecar failed."),
     "time_to_first_token_seconds": ("histogram", "Arrival to first generated token."),
     "inter_token_latency_seconds": ("histogram", "Time between two tokens of a sequence."),
     "e2e_request_latency_seconds": ("histogram", "Arrival to last token of a request."),
@@ -114,6 +129,7 @@ class _EngineCollector(Collector):
             c = self._family(CounterMetricFamily, name)
             c.add_metric(label, float(value))
             yield c
+        yield from self._spec(s, label)
         c = CounterMetricFamily(
             PREFIX + "request_success",
             METRICS["request_success"][1],
@@ -122,6 +138,29 @@ class _EngineCollector(Collector):
         for reason in sorted({"stop", "length", "abort", *s.finished}):
             c.add_metric([self.model_name, reason], float(s.finished.get(reason, 0)))
         yield c
+
+    def _spec(self, s: EngineStats, label: list[str]) -> Iterable[Metric]:
+        """Speculative decoding's series (only when the server speculates)."""
+        if not s.spec_accepted_per_pos:
+            return
+        for name, value in (
+            ("spec_decode_num_drafts", s.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", s.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", s.spec_num_accepted_tokens),
+            ("spec_decode_draft_failures", s.spec_draft_failures),
+        ):
+            c = self._family(CounterMetricFamily, name)
+            c.add_metric(label, float(value))
+            yield c
+        name = "spec_decode_num_accepted_tokens_per_pos"
+        c = CounterMetricFamily(PREFIX + name, METRICS[name][1], labels=["model_name", "position"])
+        for pos, value in enumerate(s.spec_accepted_per_pos):
+            c.add_metric([self.model_name, str(pos)], float(value))
+        yield c
+        if s.spec_draft_available is not None:
+            g = self._family(GaugeMetricFamily, "spec_decode_draft_available")
+            g.add_metric(label, float(s.spec_draft_available))
+            yield g
 
 
 @dataclass

@@ -44,3 +44,10 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # of those, tokens found
+    # speculative decoding (cumulative; see engine.speculation.SpecStats)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_draft_available: bool | None = None  # a draft sidecar answers (None: no sidecar)
+    spec_draft_failures: int = 0  # proposal calls the draft sidecar failed

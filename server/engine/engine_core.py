@@ -22,6 +22,13 @@ include constrained ones is launched in two halves: the forward pass first, then
 once the previous step's tokens are read and fed to the grammars, the token bitmasks
 are filled and the sampling is enqueued. The GPU computes the forward pass meanwhile,
 so the pipeline loses only what the host's read and mask filling take beyond it.
+
+Speculative decoding (``speculation``): while the batch is small enough, steps are not
+pipelined: the step before is read first, drafts are proposed from the known tokens, and
+the step (last token + drafts per speculating sequence) is launched and read at once, so
+the host's scheduling no longer overlaps the GPU's work on those steps. A verify row
+emits its accepted drafts plus one token of the target's; the KV of rejected positions is
+rolled back (computed-token count and block table truncated, blocks freed).
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ from kvscale.server.engine.core_outputs import EngineStats, SeqUpdate
 from kvscale.server.engine.request import Request
 from kvscale.server.engine.scheduler import ScheduledBatch, Scheduler
 from kvscale.server.engine.sequence import Sequence
+from kvscale.server.engine.speculation import Speculator
 from kvscale.server.engine.step_inputs import build_step, prompt_logprob_inputs
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.spec_decode.factory import make_proposer
 from kvscale.server.structured.manager import GrammarManager
 from kvscale.server.worker.worker import PendingStep, Worker
 
@@ -95,6 +104,16 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.block_manager, eng.max_num_seqs, config.max_num_batched_tokens
         )
+        self.speculator: Speculator | None = None
+        try:
+            proposer = make_proposer(config)
+        except BaseException:
+            self.shutdown()
+            raise
+        if proposer is not None:
+            self.speculator = Speculator(
+                proposer, eng.num_speculative_tokens, eng.speculative_disable_by_batch_size
+            )
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarManager(
             eng.tokenizer or eng.model, self.vocab_size, sorted(self.eos_token_ids)
@@ -206,14 +225,22 @@ class EngineCore:
         return bool(self.requests) or self._inflight is not None
 
     def shutdown(self) -> None:
-        """Stops the worker's other tensor-parallel ranks (none for one rank)."""
+        """Stops the worker's other tensor-parallel ranks (none for one rank) and the
+        draft (a sidecar's connection, an in-process draft's pool)."""
+        spec = getattr(self, "speculator", None)
+        if spec is not None:
+            spec.close()
         stop = getattr(self.worker, "shutdown", None)
         if stop is not None:
             stop()
 
     # ---- one step ------------------------------------------------------------------
     def step(self) -> list[SeqUpdate]:
-        """Launches the next batch, then returns the tokens of the step launched before."""
+        """Launches the next batch, then returns the tokens of the step launched before
+        (a speculative step returns its own)."""
+        spec = self.speculator
+        if spec is not None and spec.active(self.scheduler.num_running):
+            return self._spec_step(spec)
         if self._awaiting_grammar:
             self._admit_compiled()
         batch = self.scheduler.schedule()
@@ -227,6 +254,23 @@ class EngineCore:
             updates = self._collect(inflight) if inflight is not None else []
         if launched is None and inflight is None and self._awaiting_grammar:
             # nothing to run until a grammar is ready: wait for one, briefly
+            wait([f for _, f in self._awaiting_grammar.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        return updates
+
+    def _spec_step(self, spec: Speculator) -> list[SeqUpdate]:
+        """One unpipelined step with drafts: reads the step in flight, drafts from the
+        known tokens, then launches and reads this one."""
+        updates = self._collect(self._inflight) if self._inflight is not None else []
+        self._inflight = None
+        if self._awaiting_grammar:
+            self._admit_compiled()
+        spec.draft(self.scheduler.running, self.max_model_len)
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            launched, early = self._launch(batch, None)
+            updates += early or []
+            updates += self._collect(launched)
+        elif self._awaiting_grammar:
             wait([f for _, f in self._awaiting_grammar.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         return updates
 
@@ -296,43 +340,83 @@ class EngineCore:
             if seq.prompt_lps is not None and not seq.is_finished:
                 seq.prompt_lps.extend(result.prompt_logprobs[i : i + count])
             i += count
-        for seq, pos, token, lp in zip(
-            inflight.seqs, inflight.positions, result.token_ids, result.logprobs, strict=True
+        for row, (seq, pos, token, lp) in enumerate(
+            zip(inflight.seqs, inflight.positions, result.token_ids, result.logprobs, strict=True)
         ):
             if seq.is_finished:  # aborted, or ended by the step before: an extra row
                 continue
-            seq.token_ids[pos] = token
-            if seq.grammar is not None and not seq.grammar.is_terminated():
-                if not seq.grammar.accept_token(token):  # the mask allowed it: a bug
-                    log.error("request %s: the grammar rejected token %d", seq.request_id, token)
-            seq.token_times.append(now)
-            self._generation_tokens += 1
-            k = pos - seq.num_prompt_tokens + 1  # this token's 1-based index in the output
-            if k == 1 and seq.index == 0:
-                self._prompt_tokens += seq.num_prompt_tokens
-            reason, stop_token = self._stop_reason(seq, token, k, pos)
-            if reason is not None:
-                seq.stop_reason = stop_token
-                self._finish(seq, reason, now)
-                req = self.requests.get(seq.request_id)
-                if req is not None and req.finished:
-                    del self.requests[seq.request_id]
-            updates.append(
-                SeqUpdate(
-                    seq.request_id,
-                    seq.index,
-                    token,
-                    lp,
-                    reason,
-                    stop_token,
-                    seq.first_scheduled_time if k == 1 else None,
-                    seq.prompt_lps if k == 1 and seq.prompt_lps is not None else None,
-                )
-            )
+            emitted = result.spec_tokens.get(row)
+            if emitted is not None:
+                self._emit_verified(seq, pos, emitted, now, updates)
+                continue
+            self._emit(seq, pos, token, lp, now, updates)
         return updates
+
+    def _emit_verified(
+        self, seq: Sequence, pos: int, emitted: list[int], now: float, updates: list[SeqUpdate]
+    ) -> None:
+        """A verify row's tokens (its accepted drafts, then the target's): emitted in order
+        until one ends the sequence; the KV of the rejected drafts is rolled back."""
+        drafted, accepted = len(seq.draft_tokens), len(emitted) - 1
+        assert self.speculator is not None
+        self.speculator.record(seq, drafted, accepted)
+        seq.draft_tokens = []
+        seq.draft_q = None
+        for j, token in enumerate(emitted):
+            if j:
+                seq.token_ids.append(token)
+            self._emit(seq, pos + j, token, None, now, updates)
+            if seq.is_finished:
+                return  # its blocks are freed
+        # the step computed K/V for the last token and every draft; keep the accepted ones
+        seq.num_computed_tokens -= drafted - accepted
+        self.block_manager.truncate(seq.block_table, seq.num_computed_tokens)
+
+    def _emit(
+        self,
+        seq: Sequence,
+        pos: int,
+        token: int,
+        lp: Any,
+        now: float,
+        updates: list[SeqUpdate],
+    ) -> None:
+        """Puts ``token`` at ``seq.token_ids[pos]`` and reports it (finishing ``seq`` if it
+        stops it)."""
+        seq.token_ids[pos] = token
+        if seq.grammar is not None and not seq.grammar.is_terminated():
+            if not seq.grammar.accept_token(token):  # the mask allowed it: a bug
+                log.error("request %s: the grammar rejected token %d", seq.request_id, token)
+        seq.token_times.append(now)
+        self._generation_tokens += 1
+        k = pos - seq.num_prompt_tokens + 1  # this token's 1-based index in the output
+        if k == 1 and seq.index == 0:
+            self._prompt_tokens += seq.num_prompt_tokens
+        reason, stop_token = self._stop_reason(seq, token, k, pos)
+        if reason is not None:
+            seq.stop_reason = stop_token
+            self._finish(seq, reason, now)
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.finished:
+                del self.requests[seq.request_id]
+        updates.append(
+            SeqUpdate(
+                seq.request_id,
+                seq.index,
+                token,
+                lp,
+                reason,
+                stop_token,
+                seq.first_scheduled_time if k == 1 else None,
+                seq.prompt_lps if k == 1 and seq.prompt_lps is not None else None,
+            )
+        )
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.drop_placeholders()
+        seq.draft_tokens = []
+        if self.speculator is not None:
+            self.speculator.release((seq.seq_id,))
         seq.grammar = None
         seq.finish_reason = reason
         seq.finished_time = now
@@ -374,4 +458,19 @@ class EngineCore:
             generation_tokens=self._generation_tokens,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        s = self.speculator.stats
+        proposer = self.speculator.proposer
+        return dict(
+            spec_num_drafts=s.num_drafts,
+            spec_num_draft_tokens=s.num_draft_tokens,
+            spec_num_accepted_tokens=s.num_accepted_tokens,
+            spec_accepted_per_pos=list(s.accepted_per_pos),
+            spec_draft_available=getattr(proposer, "available", None),
+            spec_draft_failures=getattr(proposer, "num_failures", 0),
         )

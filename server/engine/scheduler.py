@@ -16,6 +16,11 @@ computed so that it has logits to sample. Every step then registers the sequence
 blocks whose tokens are final and whose K/V this step computes, so a sequence admitted
 later, in this step or any after, can share them (within a step, attention reads a
 layer's cache after the whole step's K/V was written to it).
+
+Speculative decoding: a running sequence with ``draft_tokens`` feeds its last token and
+the drafts in one step (``1 + d`` new tokens); drafts are trimmed to the step's token
+budget and dropped rather than preempt another sequence for their blocks. Only accepted
+tokens are ever registered in the prefix cache (drafts are not in ``token_ids``).
 """
 
 from __future__ import annotations
@@ -82,8 +87,10 @@ class Scheduler:
             if n <= 0 or seq.stopping:
                 i += 1
                 continue
+            if seq.draft_tokens:
+                n += self._fit_drafts(seq, budget - n)
             if self._reserve(seq, n, batch):
-                self._commit(seq, seq.num_computed_tokens + n)
+                self._commit(seq, min(seq.num_computed_tokens + n, seq.num_tokens))
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
@@ -142,6 +149,17 @@ class Scheduler:
             self.blocks.commit(seq.block_table, hashes, seq.num_committed_blocks)
             seq.num_committed_blocks = len(hashes)
 
+    def _fit_drafts(self, seq: Sequence, budget: int) -> int:
+        """Trims ``seq``'s drafts to ``budget`` tokens and to the free blocks (drafts never
+        preempt); returns how many it keeps."""
+        keep = min(len(seq.draft_tokens), max(budget, 0))
+        need = seq.num_tokens + keep
+        while keep and not self.blocks.can_allocate(seq.block_table, need):
+            keep -= 1
+            need -= 1
+        del seq.draft_tokens[keep:]
+        return keep
+
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Allocates blocks for ``n`` more tokens of ``seq``, preempting the newest if needed."""
         while not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
@@ -155,6 +173,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)
+        seq.draft_tokens = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
         seq.num_preemptions += 1

@@ -51,6 +51,14 @@ class Sequence:
     grammar: Any = None  # the grammar matcher of a constrained sequence (engine side)
     prompt_lps: list[Any] | None = None  # prompt logprobs so far (when asked for)
     prompt_lp_next: int = 0  # first prompt position whose logprobs are not asked for yet
+    # speculative decoding: tokens drafted for the next step (fed after the last token and
+    # verified), and the distribution each was sampled from ((ids [d, M], probs [d, M]);
+    # None: point masses)
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_q: tuple[Any, Any] | None = None
+    spec_k: int = 0  # drafts to ask for next (adapted to this sequence's acceptance)
+    spec_acceptance: float = 1.0  # moving average of accepted / drafted
+    spec_pause: int = 0  # steps left without drafting (after poor acceptance)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -25,6 +25,7 @@ from kvscale.server.worker.step import SamplingPlan, StepInput
 class StepPlan:
     arrays: dict[str, np.ndarray]
     sample_rows: list[int]  # batch indices that sample, in batch order
+    num_draft: list[int]  # per sampling row: drafts it verifies (its logits rows: 1 + that)
     max_query_len: int
     max_seq_len: int
 
@@ -46,11 +47,15 @@ def plan_step(batch: ScheduledBatch, block_size: int, pad_to: int = 0) -> StepPl
     sample_rows: list[int] = []
     logits_idx: list[int] = []
     width = 1
+    num_draft: list[int] = []  # per sampling row: drafted tokens it verifies
     for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
         start = seq.num_computed_tokens
         end = start + n
         table = seq.block_table
-        ids.extend(seq.token_ids[start:end])
+        drafts = max(0, end - seq.num_tokens)  # the drafts follow the sequence's tokens
+        ids.extend(seq.token_ids[start : end - drafts])
+        if drafts:
+            ids.extend(seq.draft_tokens[:drafts])
         if n == 1:
             positions.append(start)
             slots.append(table[start // bs] * bs + start % bs)
@@ -61,9 +66,11 @@ def plan_step(batch: ScheduledBatch, block_size: int, pad_to: int = 0) -> StepPl
         q_starts.append(q_starts[-1] + n)
         seq_lens.append(end)
         width = max(width, len(table))
-        if end == seq.num_tokens:
+        if end >= seq.num_tokens:
             sample_rows.append(b)
-            logits_idx.append(q_starts[-1] - 1)
+            # a verify row: the logits of its last token and of each draft
+            logits_idx.extend(range(q_starts[-1] - 1 - drafts, q_starts[-1]))
+            num_draft.append(drafts)
     n_rows = len(batch.seqs)
     rows = max(pad_to, n_rows)
     pad = rows - n_rows
@@ -83,6 +90,7 @@ def plan_step(batch: ScheduledBatch, block_size: int, pad_to: int = 0) -> StepPl
     return StepPlan(
         arrays=arrays,
         sample_rows=sample_rows,
+        num_draft=num_draft,
         max_query_len=max(batch.num_new_tokens),
         max_seq_len=max(seq_lens),
     )
@@ -110,6 +118,9 @@ def build_step(
     plan = plan_step(batch, block_size, graph_size)
     seqs = [batch.seqs[b] for b in plan.sample_rows]
     sampling = sampling_inputs(seqs, banned, vocab_size, plan.arrays)
+    if any(plan.num_draft):
+        sampling.spec_k, sampling.spec_q = verify_inputs(seqs, plan.num_draft, plan.arrays)
+        sampling.spec_rows = plan.arrays["spec_rows"].tolist()
     step = StepInput(
         plan.arrays, len(batch), plan.max_query_len, plan.max_seq_len, graph_size, sampling
     )
@@ -146,6 +157,53 @@ def prompt_logprob_inputs(batch: ScheduledBatch, step: StepInput) -> list[tuple[
         step.arrays["plp_ids"] = np.array(ids, dtype=np.int64)
         step.sampling.prompt_logprobs = k
     return out
+
+
+def verify_inputs(
+    seqs: list[Sequence], num_draft: list[int], arrays: dict[str, np.ndarray]
+) -> tuple[int, bool]:
+    """Adds the arrays of a step's verify rows (sampling rows with drafts) to ``arrays``;
+    returns ``(K, whether drafts carry distributions)``. For ``S`` sampling rows, ``N``
+    of which verify, ``K`` = most drafts of a row:
+
+    - ``spec_last [S] int64``: the logits row of each sampling row's last position (what
+      normal sampling reads);
+    - ``spec_rows [N] int64``: the verifying sampling rows; ``spec_idx [N, K + 1] int64``:
+      the logits rows of their positions (padded with the last one);
+    - ``spec_draft [N, K] int64`` (-1 padded), ``spec_num_draft [N] int64``;
+    - with distributions: ``spec_q_ids [N, K, M] int64``, ``spec_q_probs [N, K, M]
+      float32`` (point masses for drafts without one)."""
+    ends = np.cumsum(np.asarray(num_draft, dtype=np.int64) + 1)
+    arrays["spec_last"] = ends - 1
+    rows = [r for r, d in enumerate(num_draft) if d]
+    k = max(num_draft)
+    n = len(rows)
+    idx = np.empty((n, k + 1), dtype=np.int64)
+    draft = np.full((n, k), -1, dtype=np.int64)
+    nd = np.zeros(n, dtype=np.int64)
+    qs = [seqs[r].draft_q for r in rows]
+    with_q = any(q is not None for q in qs)
+    m = max((q[0].shape[1] for q in qs if q is not None), default=1)
+    q_ids = np.zeros((n, k, m), dtype=np.int64)
+    q_probs = np.zeros((n, k, m), dtype=np.float32)
+    for i, r in enumerate(rows):
+        d = num_draft[r]
+        first = ends[r] - 1 - d
+        idx[i] = first + np.minimum(np.arange(k + 1), d)
+        draft[i, :d] = seqs[r].draft_tokens[:d]
+        nd[i] = d
+        q = qs[i]
+        if q is None:
+            q_ids[i, :d, 0] = draft[i, :d]
+            q_probs[i, :d, 0] = 1.0
+        else:
+            q_ids[i, :d, : q[0].shape[1]] = q[0][:d]
+            q_probs[i, :d, : q[1].shape[1]] = q[1][:d]
+    arrays.update(spec_rows=np.asarray(rows, dtype=np.int64), spec_idx=idx, spec_draft=draft)
+    arrays["spec_num_draft"] = nd
+    if with_q:
+        arrays["spec_q_ids"], arrays["spec_q_probs"] = q_ids, q_probs
+    return k, with_q
 
 
 def sampling_inputs(

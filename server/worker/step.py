@@ -22,6 +22,9 @@ for a CUDA graph of ``graph_size`` rows: id 0, position 0, slot -1, length 1):
   bias added to row, token); optional ``grammar_rows [R] int64``: the sampling rows
   whose tokens a grammar constrains (their bitmask comes at sampling time, see
   ``Worker.sample``).
+- speculative verify rows (``engine.step_inputs.verify_inputs``): ``logits_idx`` then
+  lists ``1 + d`` rows for a sampling row with ``d`` drafts, and ``spec_*`` arrays say
+  which.
 - prompt logprobs: optional ``plp_idx [P] int64`` (token rows whose logits score a
   prompt token) and ``plp_ids [P] int64`` (that token).
 """
@@ -48,6 +51,9 @@ class SamplingPlan:
     bias: bool = False
     grammar_rows: list[int] = field(default_factory=list)  # rows a grammar constrains
     prompt_logprobs: int | None = None  # top-k of the prompt-logprob rows (None: none)
+    spec_k: int = 0  # most drafts a row verifies (0: no verify rows; see verify_inputs)
+    spec_rows: list[int] = field(default_factory=list)  # the verifying sampling rows
+    spec_q: bool = False  # the drafts carry their proposal distributions
 
     @property
     def num_rows(self) -> int:

@@ -43,6 +43,12 @@ from kvscale.server.layers.sampler import (
 from kvscale.server.models.loader import load_model
 from kvscale.server.parallel import SINGLE, ParallelState
 from kvscale.server.quantization import get_quantization
+from kvscale.server.spec_decode.rejection_sampler import rejection_sample
+from kvscale.server.spec_decode.verify_probs import (
+    expand_rows,
+    verify_output_counts,
+    verify_probs,
+)
 from kvscale.server.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from kvscale.server.worker.graph_dispatch import EAGER, GraphDispatcher
 from kvscale.server.worker.host_to_device import to_device
@@ -65,6 +71,8 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[RowLogprobs | None]
     prompt_logprobs: list[RowLogprobs] = field(default_factory=list)
+    # verify rows: sampling row -> its emitted tokens (accepted drafts, then the target's)
+    spec_tokens: dict[int, list[int]] = field(default_factory=dict)
 
 
 class PendingStep:
@@ -77,7 +85,10 @@ class PendingStep:
         want_logprobs: list[int | None],
         on_cuda: bool = False,
         prompt_logprobs: tuple[torch.Tensor, ...] | None = None,
+        spec: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``spec``: (verify rows, their tokens [N, K + 1], accepted counts [N])."""
+        self._spec = spec
         self._tokens = tokens
         self._logprobs = logprobs
         self._want = want_logprobs
@@ -109,7 +120,13 @@ class PendingStep:
             for row, k in enumerate(self._want):
                 if k is not None:
                     lps[row] = (top_ids[row][:k], top_lp[row][:k], s_lp[row], rank[row])
-        return StepResult(tokens, lps, prompt)
+        spec: dict[int, list[int]] = {}
+        if self._spec is not None:
+            rows, spec_tokens, accepted = self._spec
+            for row, toks, a in zip(rows, spec_tokens.tolist(), accepted.tolist(), strict=True):
+                spec[row] = toks[: a + 1]
+                tokens[row] = toks[0]
+        return StepResult(tokens, lps, prompt, spec)
 
 
 @dataclass
@@ -121,6 +138,24 @@ class Forwarded:
     logits: torch.Tensor
     dev: dict[str, torch.Tensor]
     prompt_logprobs: tuple[torch.Tensor, ...] | None = None
+
+
+def _sampling_tensors(cols: torch.Tensor, plan: SamplingPlan) -> SamplingTensors:
+    """The sampling parameters of ``cols [R, 8]`` (the ``sampling`` array's columns)."""
+    return SamplingTensors(
+        temperature=cols[:, 0],
+        top_k=cols[:, 1].long(),
+        top_p=cols[:, 2],
+        min_p=cols[:, 3],
+        greedy=cols[:, 4].bool(),
+        repetition_penalty=cols[:, 5],
+        presence_penalty=cols[:, 6],
+        frequency_penalty=cols[:, 7],
+        do_top_k=plan.do_top_k,
+        do_top_p_min_p=plan.do_top_p_min_p,
+        do_penalties=plan.do_penalties,
+        all_greedy=plan.all_greedy,
+    )
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -444,6 +479,9 @@ class Worker:
         dev: dict[str, torch.Tensor],
         prompt_lp: tuple[torch.Tensor, ...] | None = None,
     ) -> PendingStep:
+        full = None
+        if plan.spec_k:  # verify rows: normal sampling reads each row's last position
+            full, logits = logits, logits[dev["spec_last"]]
         want_lp = plan.logprobs
         raw = logits.clone() if any(k is not None for k in want_lp) else None
         if plan.ban:
@@ -453,26 +491,15 @@ class Worker:
             apply_logit_bias(logits, dev["bias_rows"], dev["bias_cols"], dev["bias_vals"])
         if plan.grammar_rows:
             apply_token_bitmask(logits, dev["grammar_rows"], dev["bitmask"])
-        cols = dev["sampling"]
-        t = SamplingTensors(
-            temperature=cols[:, 0],
-            top_k=cols[:, 1].long(),
-            top_p=cols[:, 2],
-            min_p=cols[:, 3],
-            greedy=cols[:, 4].bool(),
-            repetition_penalty=cols[:, 5],
-            presence_penalty=cols[:, 6],
-            frequency_penalty=cols[:, 7],
-            do_top_k=plan.do_top_k,
-            do_top_p_min_p=plan.do_top_p_min_p,
-            do_penalties=plan.do_penalties,
-            all_greedy=plan.all_greedy,
-        )
+        t = _sampling_tensors(dev["sampling"], plan)
         prompt_mask = counts = None
         if plan.do_penalties:
             prompt_mask, counts = self._penalty_inputs(dev, plan.num_rows)
         generators = seeded_generators(plan.seeds, self.device) if not plan.all_greedy else []
         tokens = sample(logits, t, generators, self.generator, prompt_mask, counts)
+        spec = None
+        if full is not None:
+            spec = self._verify(plan, full, dev, prompt_mask, counts)
         self.last_tokens[: plan.num_rows].copy_(tokens)
         self.parallel.broadcast(self.last_tokens[: plan.num_rows])  # to the other ranks
         host_lp = None
@@ -480,8 +507,53 @@ class Worker:
             k = max(k or 0 for k in want_lp)
             host_lp = tuple(_to_host(x) for x in top_logprobs(raw, tokens, k))
         return PendingStep(
-            _to_host(tokens), host_lp, want_lp, self.device.type == "cuda", prompt_lp
+            _to_host(tokens), host_lp, want_lp, self.device.type == "cuda", prompt_lp, spec
         )
+
+    def _verify(
+        self,
+        plan: SamplingPlan,
+        logits: torch.Tensor,
+        dev: dict[str, torch.Tensor],
+        prompt_mask: torch.Tensor | None,
+        counts: torch.Tensor | None,
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Rejection-samples the drafts of the verify rows (``engine.step_inputs.
+        verify_inputs``) against ``logits [L, V]``, each position's distribution built as
+        normal sampling builds it; returns (rows, tokens [N, K + 1], accepted [N]), the
+        tensors being copied to the host."""
+        rows = dev["spec_rows"]
+        host_rows = plan.spec_rows
+        k = plan.spec_k
+        n = len(host_rows)
+        drafts, num_draft = dev["spec_draft"], dev["spec_num_draft"]
+        row_t = _sampling_tensors(dev["sampling"][rows], plan)
+        t = expand_rows(row_t, k + 1)
+        pos_mask = pos_counts = None
+        if plan.do_penalties:
+            assert prompt_mask is not None and counts is not None
+            pos_mask = prompt_mask[rows].repeat_interleave(k + 1, dim=0)
+            pos_counts = verify_output_counts(counts[rows], drafts, num_draft)
+        lg = logits[dev["spec_idx"].reshape(-1)]  # a copy: verify_probs edits it in place
+        probs, greedy_tokens = verify_probs(lg, t, pos_mask, pos_counts)
+        vocab = probs.shape[-1]
+        draft_probs = None
+        if plan.spec_q:
+            # sparse q -> dense [N, K, V] (scatter_add: zero-prob padding adds nothing)
+            draft_probs = torch.zeros(n, k, vocab, device=self.device)
+            draft_probs.scatter_add_(2, dev["spec_q_ids"], dev["spec_q_probs"])
+        seeds = [plan.seeds[r] for r in host_rows]
+        out = rejection_sample(
+            probs.view(n, k + 1, vocab),
+            drafts,
+            num_draft,
+            row_t.greedy,
+            seeded_generators(seeds, self.device) if not plan.all_greedy else None,
+            self.generator,
+            draft_probs,
+            greedy_tokens.view(n, k + 1),
+        )
+        return host_rows, _to_host(out.tokens), _to_host(out.num_accepted)
 
     def _penalty_inputs(
         self, dev: dict[str, torch.Tensor], n: int

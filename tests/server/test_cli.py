@@ -19,7 +19,8 @@ SERVE_FLAGS = [
     "--block-size", "--num-kv-blocks", "--gpu-memory-utilization", "--attention-backend",
     "--seed", "--host", "--port", "--api-key", "--max-queue-len", "--drain-timeout",
     "--no-warmup", "--log-level", "--disable-access-log", "--enable-prefix-caching",
-    "--quantization", "--speculative-model", "--num-speculative-tokens",
+    "--quantization", "--speculative-method", "--speculative-model", "--num-speculative-tokens",
+    "--speculative-placement", "--ngram-min", "--ngram-max", "--speculative-disable-by-batch-size",
     "--tensor-parallel-size", "--kv-cache-dtype", "--watchdog-timeout",
 ]  # fmt: skip
 BENCH_FLAGS = [
@@ -54,8 +55,22 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     ("args", "message"),
     [
         (["--quantization", "int4"], "quantization must be one of"),
-        (["--speculative-model", "/m"], "speculative decoding is not supported yet"),
-        (["--num-speculative-tokens", "4"], "speculative decoding is not supported yet"),
+        (["--speculative-model", "/m"], "are for speculative_method='draft'"),
+        (["--speculative-method", "draft"], "needs speculative_model"),
+        (["--speculative-method", "eagle"], "speculative_method must be one of"),
+        (["--num-speculative-tokens", "17"], "num_speculative_tokens must be in [1, 16]"),
+        (["--ngram-min", "5"], "ngram_min=5 must be <= ngram_max=4"),
+        (
+            [
+                "--speculative-method",
+                "draft",
+                "--speculative-model",
+                "/d",
+                "--speculative-placement",
+                "sidecar",
+            ],
+            "a sidecar is reached at unix:///",
+        ),
         (["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
         (["--tensor-parallel-size", "2", "--device", "cuda:1"], "rank r runs on GPU r"),
         (["--watchdog-timeout", "0"], "watchdog_timeout must be"),
@@ -77,13 +92,22 @@ def test_unsupported_or_bad_flags_exit_2(
     assert "kvscale serve: error:" in err and message in err, err
 
 
-def test_none_and_zero_values_of_future_flags_are_accepted() -> None:
+def test_speculative_flags_are_accepted() -> None:
     from kvscale.server.api.launcher import check_flags
 
-    args = build_parser().parse_args(
-        ["serve", "--quantization", "none", "--num-speculative-tokens", "0"]
-    )
-    check_flags(args)
+    for extra in (
+        ["--speculative-method", "ngram", "--ngram-min", "1", "--ngram-max", "3"],
+        ["--speculative-method", "draft", "--speculative-model", "unix:///run/d.sock"],
+        [
+            "--speculative-method",
+            "draft",
+            "--speculative-model",
+            "/d",
+            "--num-speculative-tokens",
+            "2",
+        ],
+    ):
+        check_flags(build_parser().parse_args(["serve", "--quantization", "none", *extra]))
 
 
 def test_a_bad_checkpoint_exits_1_with_its_reason(tmp_path: Path) -> None:

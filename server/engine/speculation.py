@@ -1,0 +1,154 @@
+"""The engine's side of speculative decoding: who drafts, how many tokens, and what the
+verification of each step accepted.
+
+Each speculative step (``EngineCore._spec_step``) asks the ``Speculator`` to draft for the
+running sequences that may speculate, the scheduler feeds each one's last token plus its
+drafts (``1 + d`` tokens), the worker verifies them (``Worker._verify``: exact rejection
+sampling against the target's distribution at every position), and the engine emits the
+``a`` accepted drafts plus one token of the target's and rolls the KV of the ``d - a``
+rejected positions back (``record`` says how the sequence's ``k`` adapts).
+
+Who speculates (``may_draft``): a decoding sequence (its prompt fully computed) whose
+tokens are all known, with no grammar, no logprobs (sampled or prompt), no logit bias and
+no pending ``min_tokens`` ban; the verify path applies temperature, top-k, top-p, min-p and
+the repetition/presence/frequency penalties exactly as normal sampling does.
+
+How many (``adapt``): ``k`` starts at ``num_speculative_tokens``; after each verify it
+becomes the accepted count + 1 (all accepted: one more, up to the maximum), so a
+sequence whose drafts keep failing drafts one token at a time. A sequence whose moving
+acceptance rate falls under ``PAUSE_BELOW`` stops drafting for ``PAUSE_STEPS`` steps,
+then tries again with one token. Globally, speculation pauses while more than
+``speculative_disable_by_batch_size`` sequences run (the engine then runs its normal,
+pipelined steps): a large batch is compute bound and verifying ``k`` extra tokens per
+sequence costs more than the steps it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvscale.server.engine.sequence import Sequence, SequenceStatus
+from kvscale.server.spec_decode.proposer import DraftRequest, Proposer
+
+PAUSE_BELOW = 0.15  # moving acceptance rate under which a sequence pauses drafting
+PAUSE_STEPS = 16
+EMA = 0.3  # weight of the newest verify in the moving acceptance rate
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counters, named as vLLM's ``spec_decode`` metrics."""
+
+    num_drafts: int = 0  # verify rows (sequences x steps that drafted)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K]: accepted at position j
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify row (accepted drafts + the target's token)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def may_draft(seq: Sequence, max_model_len: int) -> int:
+    """How many drafts ``seq`` may take now (0: it cannot speculate this step)."""
+    p = seq.params
+    if (
+        seq.status is not SequenceStatus.RUNNING
+        or seq.stopping
+        or seq.num_computed_tokens != seq.num_tokens - 1
+        or seq.grammar is not None
+        or p.logprobs is not None
+        or seq.prompt_lps is not None
+        or p.logit_bias
+        or seq.num_output_tokens < p.min_tokens
+        or seq.spec_pause > 0
+    ):
+        return 0
+    room = max_model_len - seq.num_tokens - 1  # the emitted tokens must fit the context
+    if p.max_tokens is not None:
+        room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+    return max(0, min(seq.spec_k, room))
+
+
+def adapt(seq: Sequence, drafted: int, accepted: int, k_max: int) -> None:
+    """Updates ``seq``'s next ``k``, moving acceptance rate and pause after a verify of
+    ``drafted`` tokens of which ``accepted`` were accepted."""
+    if drafted <= 0:
+        return
+    seq.spec_acceptance = (1 - EMA) * seq.spec_acceptance + EMA * accepted / drafted
+    seq.spec_k = min(k_max, accepted + 1 + (accepted == drafted))
+    if seq.spec_acceptance < PAUSE_BELOW:
+        seq.spec_pause = PAUSE_STEPS
+        seq.spec_k = 1
+        seq.spec_acceptance = 0.5  # a fresh start once the pause is over
+
+
+class Speculator:
+    """Drafts for the running sequences through a ``Proposer``; counts what verification
+    accepted."""
+
+    def __init__(self, proposer: Proposer, k: int, disable_by_batch_size: int) -> None:
+        self.proposer = proposer
+        self.k = k
+        self.disable_by_batch_size = disable_by_batch_size
+        self.stats = SpecStats(accepted_per_pos=[0] * k)
+
+    def active(self, num_running: int) -> bool:
+        """Whether this step speculates (the batch is small enough)."""
+        return num_running <= self.disable_by_batch_size
+
+    def draft(self, running: Iterable[Sequence], max_model_len: int) -> None:
+        """Sets ``draft_tokens``/``draft_q`` of each running sequence (empty for those
+        that do not speculate this step)."""
+        seqs: list[Sequence] = []
+        requests: list[DraftRequest] = []
+        for seq in running:
+            seq.draft_tokens = []
+            seq.draft_q = None
+            if seq.spec_pause > 0:
+                seq.spec_pause -= 1
+                continue
+            if seq.spec_k == 0:
+                seq.spec_k = self.k  # first time
+            k = may_draft(seq, max_model_len)
+            if k <= 0:
+                continue
+            p = seq.params
+            seqs.append(seq)
+            requests.append(
+                DraftRequest(
+                    seq.seq_id, seq.token_ids, k, 0.0 if p.greedy else p.temperature, p.seed
+                )
+            )
+        if not requests:
+            return
+        out = self.proposer.propose(requests)
+        for i, seq in enumerate(seqs):
+            d = int(out.num_tokens[i])
+            if d <= 0:
+                continue
+            seq.draft_tokens = out.tokens[i, :d].tolist()
+            if out.q_ids is not None and out.q_probs is not None:
+                seq.draft_q = (out.q_ids[i, :d], out.q_probs[i, :d])
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Counts one verify row and adapts the sequence's ``k``."""
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += drafted
+        s.num_accepted_tokens += accepted
+        for j in range(accepted):
+            s.accepted_per_pos[j] += 1
+        adapt(seq, drafted, accepted, self.k)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.proposer.release(seq_ids)
+
+    def close(self) -> None:
+        self.proposer.close()

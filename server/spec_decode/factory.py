@@ -1,0 +1,28 @@
+"""The proposer a configuration asks for (``--speculative-method``), or None."""
+
+from __future__ import annotations
+
+from kvscale.server.config import ResolvedConfig
+from kvscale.server.spec_decode.ngram_proposer import NgramProposer
+from kvscale.server.spec_decode.proposer import Proposer
+
+
+def make_proposer(config: ResolvedConfig) -> Proposer | None:
+    eng = config.engine
+    k = eng.num_speculative_tokens
+    if eng.speculative_method is None:
+        return None
+    if eng.speculative_method == "ngram":
+        return NgramProposer(k, eng.ngram_min, eng.ngram_max)
+    assert eng.speculative_model is not None  # EngineConfig checks it
+    if eng.draft_placement == "sidecar":
+        from kvscale.server.spec_decode.draft_runner import tokenizer_fingerprint
+        from kvscale.server.spec_decode.draft_sidecar import SidecarProposer
+
+        return SidecarProposer(
+            eng.speculative_model,
+            expected_fingerprint=tokenizer_fingerprint(eng.tokenizer or eng.model),
+        )
+    from kvscale.server.spec_decode.draft_runner import DraftRunner
+
+    return DraftRunner.from_model_path(eng.speculative_model, config, k)
