@@ -115,6 +115,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "piecewise",
     "serve-piecewise",
     "int4",
+    "spec",
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
@@ -122,6 +123,20 @@ TP_PHASES = ("tp1", "tp2", "serve-tp2", "allreduce")  # two GPUs; run by name on
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
+
+
+def _sibling(name: str) -> Any:
+    """A module next to this script (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+spec_bench = _sibling("spec_bench")
 
 
 # ---------------------------------------------------------------- pure arithmetic
@@ -623,6 +638,9 @@ def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     tp = format_tp_table(res)
     if tp:
         lines += ["## Tensor parallelism (2 GPUs)", "", tp, ""]
+    spec = spec_bench.format_spec_table(res.get("spec", {}))
+    if spec:
+        lines += ["## Speculative decoding", "", spec, ""]
     if any("(vs default)" in r.workload for r in rows):
         lines.append(
             "- rows marked (vs default) hold the default mode (full_decode_only), measured in "
@@ -647,6 +665,7 @@ def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         "bounds": bounds,
         "rows": [asdict(r) for r in rows],
         "tp_rows": tp_rows(res),
+        "spec_rows": spec_bench.spec_rows(res.get("spec", {})),
         "phases": res,
     }
     return "\n".join(lines) + "\n", doc
@@ -1603,6 +1622,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt, out, [int(c) for c in args.piecewise_concurrency.split(",")]
         ),
         "int4": lambda: phase_int4(ckpt, out),
+        "spec": lambda: spec_bench.phase_spec(ckpt, out, lambda **kw: _llm(ckpt, **kw), _close),
     }
     for name in phases:
         path = out / f"phase_{name}.json"

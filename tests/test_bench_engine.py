@@ -354,3 +354,39 @@ def test_int4_checkpoint_writer_on_cpu(tmp_path: Path) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_spec_bench_builds_a_draft_that_loads_and_agrees(llama_ckpt: Path, tmp_path: Path) -> None:
+    """The draft checkpoint (first layer of the target) loads, and with the target's deeper
+    layers damped, the pair's greedy tokens mostly agree."""
+    from kvscale.server import LLM, SamplingParams
+
+    sb = eb.spec_bench
+    draft = sb.write_draft_checkpoint(llama_ckpt, tmp_path / "draft", layers=1)
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 5, 9, 200, 31], [1, 77, 78, 79]]
+    target = LLM(str(llama_ckpt), device="cpu")
+    sb.damp_deep_layers(target, first=1, scale=0.0)
+    small = LLM(str(draft), device="cpu")
+    got = [o.outputs[0].token_ids for o in target.generate(prompts, sp)]
+    want = [o.outputs[0].token_ids for o in small.generate(prompts, sp)]
+    assert got == want  # scale 0: the deeper layers add nothing, the pair is one model
+    sb.make_echo(target)
+    out = target.generate([[1, 5, 9]], sp)[0].outputs[0].token_ids
+    assert out == [9] * 16
+
+
+def test_spec_table() -> None:
+    sb = eb.spec_bench
+    run = {"tpot_ms": 2.0, "acceptance_rate": 0.8, "mean_accepted_length": 4.2}
+    base = {"tpot_ms": 5.0, "acceptance_rate": None, "mean_accepted_length": None}
+    res = {"none": {"b1": base}, "draft-inprocess": {"b1": run}}
+    rows = sb.spec_rows(res)
+    assert rows == [
+        {"config": "draft-inprocess", "batch": 1, "tpot_ms": 2.0, "base_tpot_ms": 5.0,
+         "ratio": 0.4, "acceptance_rate": 0.8, "mean_accepted_length": 4.2}
+    ]  # fmt: skip
+    assert "| draft-inprocess | 1 | 2.00 | 5.00 | 0.40x | 0.80 | 4.20 |" in sb.format_spec_table(
+        res
+    )
