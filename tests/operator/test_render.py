@@ -366,6 +366,22 @@ def test_inprocess_draft_shares_the_server_container(
     assert mount in server["volumeMounts"]  # where the server reads the draft's weights
 
 
+def test_ngram_example_has_no_draft_at_all(make_llmd: MakeLLMD) -> None:
+    _, _, objs = _render(make_llmd, _example("llmdeployment-ngram.yaml"))
+    pod = _pod(objs)
+    assert [ctr["name"] for ctr in pod["containers"]] == ["server"]
+    assert [ctr["name"] for ctr in pod["initContainers"]] == ["model-download"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp", "model-cache"]
+    args = _container(pod)["args"]
+    assert args[args.index("--speculative-method") :] == [
+        "--speculative-method", "ngram",
+        "--num-speculative-tokens", "4",
+        "--ngram-min", "2",
+        "--ngram-max", "5",
+        "--speculative-disable-by-batch-size", "32",
+    ]  # fmt: skip
+
+
 def test_ngram_sizes_are_left_to_the_server_unless_set(make_llmd: MakeLLMD) -> None:
     spec = {"model": {"source": "hf://a/b"}, "speculative": {"method": "ngram"}}
     args = _container(_pod(_render(make_llmd, spec)[2]))["args"]
