@@ -419,6 +419,7 @@ def _parse_speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
     common = {
         "method": method,
         "num_speculative_tokens": _int(raw, "numSpeculativeTokens", path, 4, 1, 16),
+        # above maxNumSeqs' own maximum it could never apply
         "disable_by_batch_size": _int(raw, "disableByBatchSize", path, None, 1, 65536),
     }
     if method == "ngram":
@@ -433,7 +434,7 @@ def _parse_speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
     if not isinstance(draft, Mapping):
         raise _err(
             f"{path}.draftModel",
-            "is required when method is draft (its source: hf://, pvc://, s3:// or builtin://)",
+            "is required when method is draft (its source: hf://, pvc://, s3:// or builtin://demo)",
         )
     placement = _enum(raw, "placement", path, "sidecar", PLACEMENTS)
     if placement != "sidecar":

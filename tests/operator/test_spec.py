@@ -119,6 +119,22 @@ def _speculative(**speculative: Any) -> dict[str, Any]:
     return {"model": {"source": "hf://org/big"}, "speculative": speculative}
 
 
+@pytest.mark.parametrize(
+    "speculative",
+    [
+        {"method": "draft", "draftModel": DRAFT},
+        {"method": "draft", "draftModel": DRAFT, "resources": {"memory": "8Gi"}},
+        {"method": "draft", "draftModel": DRAFT, "placement": "inprocess"},
+        {"method": "ngram", "ngram": {"max": 6}},
+    ],
+)
+def test_speculative_defaults_match_the_crd(
+    crd_schema: StructuralSchema, speculative: dict[str, Any]
+) -> None:
+    raw = _speculative(**speculative)
+    assert parse_spec(raw) == parse_spec(crd_schema.default({"spec": raw})["spec"])
+
+
 def test_speculative_defaults_per_method() -> None:
     draft = parse_spec(_speculative(method="draft", draftModel=DRAFT)).speculative
     assert draft is not None
