@@ -20,6 +20,15 @@ import re
 from dataclasses import dataclass
 
 # ---- flags the operator renders from typed fields: extraArgs may not name them -------------
+SPECULATIVE_FLAGS = (  # from spec.speculative (issue 18's flag contract of kvscale serve)
+    "--speculative-method",
+    "--num-speculative-tokens",
+    "--speculative-model",
+    "--speculative-placement",
+    "--ngram-min",
+    "--ngram-max",
+    "--speculative-disable-by-batch-size",
+)
 RENDERED_FLAGS = (
     "--model",
     "--served-model-name",
@@ -38,8 +47,7 @@ RENDERED_FLAGS = (
     "--quantization",
     "--kv-cache-dtype",
     "--enable-prefix-caching",
-    "--speculative-model",
-    "--num-speculative-tokens",
+    *SPECULATIVE_FLAGS,
 )
 SECRET_FLAGS = ("--api-key",)  # set from a Secret through the environment, never a flag
 BOOLEAN_FLAGS = ("--enable-prefix-caching",)  # each also has a --no-... form

@@ -25,8 +25,11 @@ SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"  # hash of what the operator rendere
 
 # The server container.
 SERVER_PORT = 8000
-DRAFT_PORT = 8001
 MODEL_ROOT = "/models"
+# The draft sidecar (spec.speculative placement sidecar) serves the target on a Unix socket
+# in an emptyDir both containers mount.
+DRAFT_SOCKET_DIR = "/var/run/kvscale-draft"
+DRAFT_SOCKET = f"{DRAFT_SOCKET_DIR}/draft.sock"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set on nodes by NVIDIA GPU feature discovery
 RUN_AS_USER = 1000

@@ -159,21 +159,6 @@ class _NotOwned(Exception):
         )
 
 
-def not_supported(spec: LLMDeploymentSpec) -> list[Problem]:
-    """What the spec asks for that the server cannot run yet: reported (Degraded, a
-    Warning event) and nothing rendered, instead of pods that crash-loop."""
-    if spec.speculative is None:
-        return []
-    return [
-        Problem(
-            "NotSupported",
-            "spec.speculative: kvscale serve does not implement speculative decoding with a "
-            "draft model yet (it refuses --speculative-model at start, so the pods would "
-            "crash-loop); remove spec.speculative to deploy this model",
-        )
-    ]
-
-
 async def check_secrets(api: KubeClient, ns: str, spec: LLMDeploymentSpec) -> list[Problem]:
     """Every Secret the pods will read must exist with the keys they read."""
     wanted: list[tuple[str, str, tuple[str, ...]]] = []
@@ -256,10 +241,8 @@ async def reconcile(
         out.problems.append(Problem("InvalidSpec", str(e)))
     if spec is not None:
         desired = desired_replicas(spec, llmd.get("status"))
-        out.problems += not_supported(spec)
-        secrets = await check_secrets(api, ns, spec)
-        out.problems += secrets
-        out.retry = bool(secrets)  # a Secret may appear; only a new spec changes the rest
+        out.problems += await check_secrets(api, ns, spec)
+        out.retry = bool(out.problems)  # a Secret may appear
     if spec is not None and not out.problems:
         try:
             for obj in render.render_all(llmd, spec, config, desired):

@@ -23,6 +23,7 @@ Obj = dict[str, Any]
 CACHE_VOLUME = "model-cache"
 SHM_VOLUME = "dshm"
 TMP_VOLUME = "tmp"
+DRAFT_SOCKET_VOLUME = "draft-socket"
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -103,6 +104,31 @@ def model_path(source: ModelSource, slot: str) -> str:
     return f"{c.MODEL_ROOT}/{slot}"
 
 
+Sources = list[tuple[str, ModelSource]]  # (slot, source): slot is model or draft
+
+
+def _sources(spec: LLMDeploymentSpec) -> Sources:
+    """Every checkpoint the pod downloads or mounts: the model, then a draft model."""
+    sources = [("model", spec.model.source)]
+    if spec.speculative is not None and spec.speculative.draft_model is not None:
+        sources.append(("draft", spec.speculative.draft_model))
+    return sources
+
+
+def _has_sidecar(spec: LLMDeploymentSpec) -> bool:
+    """Whether the pod runs the draft model in a container of its own."""
+    return spec.speculative is not None and spec.speculative.sidecar
+
+
+def _container_sources(spec: LLMDeploymentSpec, container: str) -> Sources:
+    """The checkpoints ``container`` (server or draft) reads: the sidecar's draft is its own,
+    an in-process draft is the server's."""
+    sidecar = _has_sidecar(spec)
+    if container == "draft":
+        return [(slot, s) for slot, s in _sources(spec) if slot == "draft"]
+    return [(slot, s) for slot, s in _sources(spec) if slot == "model" or not sidecar]
+
+
 def _download_container(
     source: ModelSource, slot: str, spec: LLMDeploymentSpec, config: OperatorConfig
 ) -> Obj | None:
@@ -180,29 +206,53 @@ def server_args(spec: LLMDeploymentSpec, port: int = c.SERVER_PORT) -> list[str]
         args += ["--kv-cache-dtype", eng.kv_cache_dtype]
     if not eng.prefix_caching:  # on by default in the server
         args.append("--no-enable-prefix-caching")
-    if spec.speculative:
-        # The draft runs in the sidecar container; the target reaches it over the pod's loopback.
-        args += [
-            "--speculative-model", f"http://127.0.0.1:{c.DRAFT_PORT}/v1",
-            "--num-speculative-tokens", str(spec.speculative.num_speculative_tokens),
-        ]  # fmt: skip
+    args += speculative_args(spec)
     # An API key reaches the server as $KVSCALE_API_KEY from the Secret, never as a flag.
     return args + list(eng.extra_args)
 
 
-def draft_args(spec: LLMDeploymentSpec) -> list[str]:
-    """``kvscale serve`` flags for the draft sidecar (loopback only)."""
-    assert spec.speculative is not None
-    draft = spec.speculative
-    device = "cuda" if spec.engine.device == "cuda" and draft.resources.gpus > 0 else "cpu"
+def speculative_args(spec: LLMDeploymentSpec) -> list[str]:
+    """``kvscale serve`` flags of ``spec.speculative`` (none without it). The n-gram sizes
+    and the batch-size cut-off are only rendered when the spec sets them."""
+    sp = spec.speculative
+    if sp is None:
+        return []
     args = [
-        "serve",
-        "--model", model_path(draft.draft_model, "draft"),
-        "--served-model-name", draft.draft_model.default_name(),
-        "--host", "127.0.0.1",
-        "--port", str(c.DRAFT_PORT),
-        "--device", device,
-        "--drain-timeout", str(spec.lifecycle.drain_timeout_seconds),
+        "--speculative-method", sp.method,
+        "--num-speculative-tokens", str(sp.num_speculative_tokens),
+    ]  # fmt: skip
+    if sp.draft_model is not None and sp.placement is not None:
+        # A sidecar is reached on the pod's shared socket; in process, the draft's weights
+        # sit in the pod's model volume like the target's.
+        where = f"unix://{c.DRAFT_SOCKET}" if sp.sidecar else model_path(sp.draft_model, "draft")
+        args += ["--speculative-model", where, "--speculative-placement", sp.placement]
+    if sp.ngram_min is not None:
+        args += ["--ngram-min", str(sp.ngram_min)]
+    if sp.ngram_max is not None:
+        args += ["--ngram-max", str(sp.ngram_max)]
+    if sp.disable_by_batch_size is not None:
+        args += ["--speculative-disable-by-batch-size", str(sp.disable_by_batch_size)]
+    return args
+
+
+def _draft_gpus(spec: LLMDeploymentSpec) -> int:
+    """GPUs of the draft sidecar: as spec.speculative.resources asks, none on CPU pods."""
+    assert spec.speculative is not None
+    return spec.speculative.resources.gpus if spec.engine.device == "cuda" else 0
+
+
+def draft_args(spec: LLMDeploymentSpec) -> list[str]:
+    """``kvscale serve-draft`` flags for the draft sidecar: the draft model behind the
+    pod's Unix socket (no TCP port), sized for the target's batch and context."""
+    sp = spec.speculative
+    assert sp is not None and sp.draft_model is not None and sp.sidecar
+    args = [
+        "serve-draft",
+        "--model", model_path(sp.draft_model, "draft"),
+        "--socket", c.DRAFT_SOCKET,
+        "--device", "cuda" if _draft_gpus(spec) else "cpu",
+        "--dtype", spec.model.dtype,
+        "--max-num-seqs", str(spec.engine.max_num_seqs),
     ]  # fmt: skip
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
@@ -262,11 +312,8 @@ def _server_env(spec: LLMDeploymentSpec) -> list[Obj]:
     return env + [dict(e) for e in spec.env]
 
 
-def _model_mounts(spec: LLMDeploymentSpec) -> list[Obj]:
+def _model_mounts(sources: Sources) -> list[Obj]:
     mounts: list[Obj] = []
-    sources = [("model", spec.model.source)]
-    if spec.speculative:
-        sources.append(("draft", spec.speculative.draft_model))
     if any(s.needs_download for _, s in sources):
         mounts.append({"name": CACHE_VOLUME, "mountPath": c.MODEL_ROOT, "readOnly": True})
     for slot, source in sources:
@@ -276,11 +323,16 @@ def _model_mounts(spec: LLMDeploymentSpec) -> list[Obj]:
     return mounts
 
 
+def _socket_mounts(spec: LLMDeploymentSpec) -> list[Obj]:
+    """The draft sidecar's socket folder, in the server and the sidecar alike."""
+    if not _has_sidecar(spec):
+        return []
+    return [{"name": DRAFT_SOCKET_VOLUME, "mountPath": c.DRAFT_SOCKET_DIR}]
+
+
 def _volumes(spec: LLMDeploymentSpec) -> list[Obj]:
     volumes: list[Obj] = [{"name": TMP_VOLUME, "emptyDir": {}}]
-    sources = [("model", spec.model.source)]
-    if spec.speculative:
-        sources.append(("draft", spec.speculative.draft_model))
+    sources = _sources(spec)
     if any(s.needs_download for _, s in sources):
         cache: Obj = {}
         if spec.model.cache_size:
@@ -294,6 +346,8 @@ def _volumes(spec: LLMDeploymentSpec) -> list[Obj]:
                     "persistentVolumeClaim": {"claimName": source.pvc_claim, "readOnly": True},
                 }
             )
+    if _has_sidecar(spec):
+        volumes.append({"name": DRAFT_SOCKET_VOLUME, "emptyDir": {}})
     if spec.engine.tensor_parallel_size > 1:
         # NCCL moves tensors between ranks through /dev/shm; the container default is 64 MiB.
         volumes.append(
@@ -339,7 +393,11 @@ def _pre_stop(spec: LLMDeploymentSpec) -> Obj:
 
 
 def _server_container(spec: LLMDeploymentSpec, config: OperatorConfig) -> Obj:
-    mounts = [{"name": TMP_VOLUME, "mountPath": "/tmp"}, *_model_mounts(spec)]
+    mounts = [
+        {"name": TMP_VOLUME, "mountPath": "/tmp"},
+        *_model_mounts(_container_sources(spec, "server")),
+        *_socket_mounts(spec),
+    ]
     if spec.engine.tensor_parallel_size > 1:
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     res = spec.resources
@@ -360,29 +418,35 @@ def _server_container(spec: LLMDeploymentSpec, config: OperatorConfig) -> Obj:
 
 
 def _draft_container(spec: LLMDeploymentSpec, config: OperatorConfig) -> Obj:
+    """The draft sidecar. Its probes look for the socket, which appears once the draft
+    model has loaded (startup: the same budget as the server's model load)."""
     assert spec.speculative is not None
     res = spec.speculative.resources
-    gpus = res.gpus if spec.engine.device == "cuda" else 0
+    socket_exists = {"exec": {"command": ["test", "-S", c.DRAFT_SOCKET]}}
     return {
         "name": "draft",
         "image": spec.image or config.server_image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvscale"],
         "args": draft_args(spec),
-        "ports": [{"name": "draft", "containerPort": c.DRAFT_PORT, "protocol": "TCP"}],
         "env": _base_env(),
-        "resources": _resources(res.cpu, res.memory, gpus),
-        "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}, *_model_mounts(spec)],
+        "resources": _resources(res.cpu, res.memory, _draft_gpus(spec)),
+        "volumeMounts": [
+            {"name": TMP_VOLUME, "mountPath": "/tmp"},
+            *_model_mounts(_container_sources(spec, "draft")),
+            *_socket_mounts(spec),
+        ],
         "startupProbe": {
-            "httpGet": {"path": "/health", "port": "draft"},
+            **socket_exists,
             "periodSeconds": 10,
+            "timeoutSeconds": 5,
             "failureThreshold": max(1, math.ceil(spec.lifecycle.startup_timeout_seconds / 10)),
         },
-        "livenessProbe": {
-            "httpGet": {"path": "/health", "port": "draft"},
-            "periodSeconds": 15,
-            "timeoutSeconds": 10,
-            "failureThreshold": 4,
+        "readinessProbe": {
+            **socket_exists,
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
         },
         **_pre_stop(spec),
         "securityContext": _container_security(),
@@ -418,14 +482,12 @@ def render_deployment(
     init = [
         ctr
         for ctr in (
-            _download_container(spec.model.source, "model", spec, config),
-            spec.speculative
-            and _download_container(spec.speculative.draft_model, "draft", spec, config),
+            _download_container(source, slot, spec, config) for slot, source in _sources(spec)
         )
         if ctr
     ]
     containers = [_server_container(spec, config)]
-    if spec.speculative:
+    if _has_sidecar(spec):
         containers.append(_draft_container(spec, config))
     lc = spec.lifecycle
     pod_spec: Obj = {

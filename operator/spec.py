@@ -21,6 +21,10 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+SPECULATIVE_METHODS = ("draft", "ngram")
+PLACEMENTS = ("sidecar", "inprocess")
+NGRAM_RANGE = (1, 16)  # n of --ngram-min / --ngram-max
+NGRAM_DEFAULTS = (2, 4)  # the server's --ngram-min / --ngram-max when not rendered
 # Flags the operator derives from the spec (extraArgs may not name them, even by a prefix),
 # env names it sets, patterns and bounds: one table, checked against the CRD and the server.
 MANAGED_FLAGS = admission.MANAGED_FLAGS
@@ -205,6 +209,8 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class DraftResources:
+    """The draft sidecar container's own resources (placement sidecar only)."""
+
     gpus: int = 1
     cpu: str | None = None
     memory: str | None = None
@@ -212,9 +218,27 @@ class DraftResources:
 
 @dataclass(frozen=True)
 class SpeculativeSpec:
-    draft_model: ModelSource
-    num_speculative_tokens: int
+    """``spec.speculative``: what proposes the tokens the target verifies, and where.
+
+    ``method`` draft: ``draft_model`` proposes, in a sidecar container (``placement``
+    sidecar, over a Unix socket) or in the server process (inprocess). ``method`` ngram:
+    prompt lookup in the server; no draft model, no placement. ``ngram_min``/``ngram_max``
+    are None when the spec leaves them to the server's defaults (``NGRAM_DEFAULTS``).
+    """
+
+    method: str
+    num_speculative_tokens: int = 4
+    draft_model: ModelSource | None = None
+    placement: str | None = None
+    ngram_min: int | None = None
+    ngram_max: int | None = None
+    disable_by_batch_size: int | None = None
     resources: DraftResources = field(default_factory=DraftResources)
+
+    @property
+    def sidecar(self) -> bool:
+        """Whether the draft model runs in its own container of the pod."""
+        return self.placement == "sidecar"
 
 
 @dataclass(frozen=True)
@@ -343,27 +367,89 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
     )
 
 
+def _present(raw: Mapping[str, Any], key: str) -> bool:
+    """Whether the spec sets ``key`` (a null is no value, as the API server prunes it)."""
+    return raw.get(key) is not None
+
+
+def _forbid(raw: Mapping[str, Any], key: str, path: str, why: str) -> None:
+    if _present(raw, key):
+        raise _err(f"{path}.{key}", why)
+
+
+def _ngram_bounds(raw: Mapping[str, Any], path: str) -> tuple[int | None, int | None]:
+    """``spec.speculative.ngram``: min and max n, each 1..16, min <= max counting an unset
+    one as the server's default (min 5 alone would meet the default max 4 at start)."""
+    lo = _int(raw, "min", path, None, *NGRAM_RANGE)
+    hi = _int(raw, "max", path, None, *NGRAM_RANGE)
+    eff_lo = NGRAM_DEFAULTS[0] if lo is None else lo
+    eff_hi = NGRAM_DEFAULTS[1] if hi is None else hi
+    if eff_lo > eff_hi:
+        message = f"min ({eff_lo}) must be <= max ({eff_hi})"
+        if lo is None or hi is None:
+            message += (
+                f"; an unset min is {NGRAM_DEFAULTS[0]} and an unset max {NGRAM_DEFAULTS[1]} "
+                "(the server's defaults): set both"
+            )
+        raise _err(path, message)
+    return lo, hi
+
+
+def _draft_resources(raw: Mapping[str, Any], path: str) -> DraftResources:
+    return DraftResources(
+        gpus=_int(raw, "gpus", path, 1, 0, 8),
+        cpu=_quantity(raw, "cpu", path),
+        memory=_quantity(raw, "memory", path),
+    )
+
+
 def _parse_speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
+    """``spec.speculative`` with the CRD's default (4 tokens) and CEL rules."""
     if not raw:
         return None
     path = "spec.speculative"
+    method = raw.get("method")
+    if method is None:
+        raise _err(
+            f"{path}.method",
+            "is required: draft (a draft model proposes the tokens) or ngram (prompt lookup, "
+            "no second model)",
+        )
+    method = _enum(raw, "method", path, "", SPECULATIVE_METHODS)
+    common = {
+        "method": method,
+        "num_speculative_tokens": _int(raw, "numSpeculativeTokens", path, 4, 1, 16),
+        # above maxNumSeqs' own maximum it could never apply
+        "disable_by_batch_size": _int(raw, "disableByBatchSize", path, None, 1, 65536),
+    }
+    if method == "ngram":
+        only_draft = "applies to method draft only; method ngram drafts from the prompt and "
+        _forbid(raw, "draftModel", path, only_draft + "output (remove it, or set method: draft)")
+        _forbid(raw, "placement", path, only_draft + "output in the server process")
+        _forbid(raw, "resources", path, "are the draft sidecar's; method ngram has no sidecar")
+        lo, hi = _ngram_bounds(_obj(raw, "ngram", path), f"{path}.ngram")
+        return SpeculativeSpec(**common, ngram_min=lo, ngram_max=hi)
+    _forbid(raw, "ngram", path, "applies to method ngram only (method is draft)")
     draft = raw.get("draftModel")
     if not isinstance(draft, Mapping):
-        raise _err(f"{path}.draftModel", "is required when spec.speculative is set")
-    n = _int(raw, "numSpeculativeTokens", path, None, 1, 16)
-    if n is None:
         raise _err(
-            f"{path}.numSpeculativeTokens", "is required when a draft model is set (1 to 16)"
+            f"{path}.draftModel",
+            "is required when method is draft (its source: hf://, pvc://, s3:// or builtin://demo)",
         )
-    res = _obj(raw, "resources", path)
+    placement = _enum(raw, "placement", path, "sidecar", PLACEMENTS)
+    if placement != "sidecar":
+        _forbid(
+            raw,
+            "resources",
+            path,
+            f"are the draft sidecar's; with placement {placement} the draft shares the server "
+            "container's GPUs (size spec.resources instead)",
+        )
     return SpeculativeSpec(
+        **common,
         draft_model=_model_source(draft, f"{path}.draftModel"),
-        num_speculative_tokens=n,
-        resources=DraftResources(
-            gpus=_int(res, "gpus", f"{path}.resources", 1, 0, 8),
-            cpu=_quantity(res, "cpu", f"{path}.resources"),
-            memory=_quantity(res, "memory", f"{path}.resources"),
-        ),
+        placement=placement,
+        resources=_draft_resources(_obj(raw, "resources", path), f"{path}.resources"),
     )
 
 

@@ -16,6 +16,7 @@ from tests.k8s_emulator.schema import StructuralSchema
 from tests.operator.conftest import EXAMPLES
 
 BASE = {"model": {"source": "hf://org/model"}}
+DRAFT = {"source": "hf://a/small"}
 
 
 def _version(crd: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +70,7 @@ def test_schema_is_structural_with_defaults(
 def test_printer_columns_read_fields_the_schema_has(crd: dict[str, Any], make_llmd: Any) -> None:
     columns = {col["name"]: col for col in _version(crd)["additionalPrinterColumns"]}
     assert {"Model", "TP", "Ready", "Desired", "KV%", "Status", "Age"} <= set(columns)
+    assert columns["Speculative"]["priority"] == 1  # kubectl get -o wide
     status = {
         "readyReplicas": 1,
         "desiredReplicas": 2,
@@ -76,13 +78,20 @@ def test_printer_columns_read_fields_the_schema_has(crd: dict[str, Any], make_ll
         "conditions": [{"type": "Ready", "status": "False", "reason": "ReplicasNotReady"}],
     }
     obj = make_llmd(
-        {"model": {"source": "hf://a/b"}, "engine": {"tensorParallelSize": 2}}, **status
+        {
+            "model": {"source": "hf://a/b"},
+            "engine": {"tensorParallelSize": 2},
+            "speculative": {"method": "ngram"},
+        },
+        **status,
     )
     obj["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
     values = {name: jsonpath.evaluate(col["jsonPath"], obj) for name, col in columns.items()}
     assert values["Model"] == ["hf://a/b"] and values["TP"] == [2]
     assert values["Ready"] == [1] and values["Desired"] == [2] and values["KV%"] == [73]
-    assert values["Status"] == ["ReplicasNotReady"]
+    assert values["Status"] == ["ReplicasNotReady"] and values["Speculative"] == ["ngram"]
+    plain = make_llmd({"model": {"source": "hf://a/b"}})
+    assert jsonpath.evaluate(columns["Speculative"]["jsonPath"], plain) == []  # an empty cell
 
 
 VALID = [
@@ -95,7 +104,21 @@ VALID = [
     {"engine": {"device": "cpu", "quantization": "fp8", "kvCacheDtype": "fp8"}},
     {"engine": {"device": "cpu", "tensorParallelSize": 2}},  # gloo ranks, as the server runs
     {"engine": {"device": "cpu", "quantization": "awq"}},
-    {"speculative": {"draftModel": {"source": "hf://a/small"}, "numSpeculativeTokens": 4}},
+    {"speculative": {"method": "draft", "draftModel": DRAFT, "numSpeculativeTokens": 4}},
+    {"speculative": {"method": "draft", "draftModel": DRAFT}},  # 4 tokens, sidecar
+    {"speculative": {"method": "draft", "draftModel": DRAFT, "resources": {"gpus": 0}}},
+    {"speculative": {"method": "draft", "draftModel": DRAFT, "placement": "inprocess"}},
+    {"speculative": {"method": "ngram"}},
+    {"speculative": {"method": "ngram", "ngram": {"min": 4}}},  # the default max is 4
+    {"speculative": {"method": "ngram", "ngram": {"max": 2}}},  # the default min is 2
+    {
+        "speculative": {
+            "method": "ngram",
+            "numSpeculativeTokens": 16,
+            "ngram": {"min": 1, "max": 16},
+            "disableByBatchSize": 1,
+        }
+    },
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
     {"engine": {"extraArgs": ["--enforce-eager", "--seed", "3"]}},
     {"model": {"source": "s3://bucket/prefix", "credentialsSecretRef": {"name": "s3"}}},
@@ -108,9 +131,61 @@ INVALID = [
         {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
         "minReplicas must be less than or equal",
     ),
+    ({"speculative": {"draftModel": DRAFT}}, "spec.speculative.method: Required value"),
+    ({"speculative": {"method": "eagle"}}, "Unsupported value"),
+    ({"speculative": {"method": "draft"}}, "draftModel is required when method is draft"),
     (
-        {"speculative": {"draftModel": {"source": "hf://a/small"}}},
-        "numSpeculativeTokens is required",
+        {"speculative": {"method": "ngram", "draftModel": DRAFT}},
+        "draftModel applies to method draft only",
+    ),
+    (
+        {"speculative": {"method": "ngram", "numSpeculativeTokens": 0}},
+        "greater than or equal to 1",
+    ),
+    (
+        {"speculative": {"method": "draft", "draftModel": DRAFT, "numSpeculativeTokens": 17}},
+        "less than or equal to 16",
+    ),
+    (
+        {"speculative": {"method": "ngram", "ngram": {"min": 5, "max": 3}}},
+        "ngram.min must be <= ngram.max",
+    ),
+    (
+        {"speculative": {"method": "ngram", "ngram": {"min": 5}}},  # the default max is 4
+        "ngram.min must be <= ngram.max",
+    ),
+    ({"speculative": {"method": "ngram", "ngram": {"max": 1}}}, "ngram.min must be <= ngram.max"),
+    ({"speculative": {"method": "ngram", "ngram": {"max": 17}}}, "less than or equal to 16"),
+    (
+        {"speculative": {"method": "ngram", "placement": "sidecar"}},
+        "placement applies to method draft only",
+    ),
+    (
+        {"speculative": {"method": "draft", "draftModel": DRAFT, "ngram": {"min": 2}}},
+        "ngram applies to method ngram only",
+    ),
+    (
+        {"speculative": {"method": "ngram", "resources": {"gpus": 1}}},
+        "resources are the draft sidecar's",
+    ),
+    (
+        {
+            "speculative": {
+                "method": "draft",
+                "draftModel": DRAFT,
+                "placement": "inprocess",
+                "resources": {"memory": "8Gi"},
+            }
+        },
+        "resources are the draft sidecar's",
+    ),
+    (
+        {"speculative": {"method": "draft", "draftModel": DRAFT, "placement": "remote"}},
+        "Unsupported value",
+    ),
+    (
+        {"speculative": {"method": "ngram", "disableByBatchSize": 0}},
+        "greater than or equal to 1",
     ),
     ({"engine": {"kvCacheDtype": "fp8_e5m2"}}, "Unsupported value"),
     ({"engine": {"quantization": "int4"}}, "Unsupported value"),
@@ -182,4 +257,5 @@ def test_examples_cover_the_documented_cases() -> None:
         s.get("engine", {}).get("prefixCaching") and s["engine"].get("quantization") == "fp8"
         for s in specs
     )
-    assert any("speculative" in s for s in specs)
+    methods = [(s.get("speculative") or {}).get("method") for s in specs]
+    assert "draft" in methods and "ngram" in methods

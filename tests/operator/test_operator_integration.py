@@ -86,7 +86,7 @@ def _mark_ready(cluster: Cluster, name: str) -> None:
 
 def test_examples_apply_and_reconcile(cluster: Cluster) -> None:
     out = cluster.kubectl("apply", "-f", str(ROOT / "examples"))
-    assert out.count("created") == 4
+    assert out.count("created") == 5
     dep = wait_for(lambda: _deployment(cluster, "qwen"), what="the qwen Deployment")
     assert (
         dep["metadata"]["ownerReferences"][0]["uid"] == cluster.llmd(NS, "qwen")["metadata"]["uid"]
@@ -100,6 +100,15 @@ def test_examples_apply_and_reconcile(cluster: Cluster) -> None:
     fp8 = wait_for(lambda: _deployment(cluster, "llama-8b-fp8"), what="the FP8 Deployment")
     assert {"--quantization", "--kv-cache-dtype"} <= set(_args(fp8))
     assert "--no-enable-prefix-caching" not in _args(fp8)  # on: the server's default
+    # n-gram speculation: flags on the server, no sidecar, no second download
+    ngram = wait_for(lambda: _deployment(cluster, "qwen-coder-ngram"), what="the n-gram one")
+    assert [ctr["name"] for ctr in ngram["spec"]["template"]["spec"]["containers"]] == ["server"]
+    assert [ctr["name"] for ctr in ngram["spec"]["template"]["spec"]["initContainers"]] == [
+        "model-download"
+    ]
+    args = _args(ngram)
+    assert args[args.index("--speculative-method") + 1] == "ngram"
+    assert "--speculative-model" not in args
     status = wait_for(
         lambda: (
             (cluster.llmd(NS, "qwen") or {}).get("status", {}).get("endpoint")
@@ -120,6 +129,11 @@ def test_printer_columns(cluster: Cluster) -> None:
     qwen = next(row.split() for row in rows if row.startswith("qwen "))
     assert qwen[1:5] == ["hf://Qwen/Qwen2.5-1.5B-Instruct", "1", "0", "1"]
     assert qwen[5] == "ReplicasNotReady"  # KV% is empty until the autoscaler reports
+    header, *rows = cluster.kubectl("get", "llmd", "-o", "wide").splitlines()
+    assert "SPECULATIVE" in header.split()
+    methods = {row.split()[0]: row.split() for row in rows}
+    assert "ngram" in methods["qwen-coder-ngram"] and "draft" in methods["llama-70b-spec"]
+    assert not {"ngram", "draft"} & set(methods["qwen"])
 
 
 def test_missing_secret_is_degraded_then_recovers(cluster: Cluster) -> None:
@@ -143,9 +157,15 @@ def test_missing_secret_is_degraded_then_recovers(cluster: Cluster) -> None:
         lambda: [e for e in cluster.events(NS, "llama-8b-tp2") if e["reason"] == "SecretNotFound"]
     )
     assert warning[0]["type"] == "Warning"
-    spec_degraded = wait_for(lambda: cluster.condition(NS, "llama-70b-spec", c.DEGRADED))
-    assert spec_degraded["reason"] == "NotSupported", spec_degraded  # then the Secret
+    spec_degraded = wait_for(
+        lambda: (
+            cluster.condition(NS, "llama-70b-spec", c.DEGRADED).get("status") == "True"
+            and cluster.condition(NS, "llama-70b-spec", c.DEGRADED)
+        )
+    )
+    assert spec_degraded["reason"] == "SecretNotFound", spec_degraded
     assert "Secret ml/s3-credentials" in spec_degraded["message"]
+    assert _deployment(cluster, "llama-70b-spec") is None
 
     cluster.kubectl(
         "apply",
@@ -183,26 +203,30 @@ def test_missing_secret_is_degraded_then_recovers(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(s3))
     cond = wait_for(
         lambda: (
-            "has no key AWS_SECRET_ACCESS_KEY"
-            in cluster.condition(NS, "llama-70b-spec", c.DEGRADED).get("message", "")
+            cluster.condition(NS, "llama-70b-spec", c.DEGRADED).get("reason") == "SecretKeyMissing"
             and cluster.condition(NS, "llama-70b-spec", c.DEGRADED)
         )
     )
+    assert "has no key AWS_SECRET_ACCESS_KEY" in cond["message"]
     s3["stringData"]["AWS_SECRET_ACCESS_KEY"] = "b"
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(s3))
-    # Speculative decoding with a draft model is not served yet: refused with the reason,
-    # and no pods that would crash-loop (the sidecar's rendering is tested in test_render).
-    cond = wait_for(
-        lambda: (
-            "s3-credentials"
-            not in cluster.condition(NS, "llama-70b-spec", c.DEGRADED).get("message", "")
-            and cluster.condition(NS, "llama-70b-spec", c.DEGRADED)
-        ),
-        what="the Secret problem gone",
+    # Speculative decoding with a draft model in a sidecar: the pods come once the
+    # Secret is complete (no refusal of spec.speculative any more).
+    spec_dep = wait_for(
+        lambda: _deployment(cluster, "llama-70b-spec"), what="the speculative Deployment"
     )
-    assert cond["reason"] == "NotSupported" and "remove spec.speculative" in cond["message"]
-    assert _deployment(cluster, "llama-70b-spec") is None
-    assert any(e["reason"] == "NotSupported" for e in cluster.events(NS, "llama-70b-spec"))
+    pod = spec_dep["spec"]["template"]["spec"]
+    assert [ctr["name"] for ctr in pod["containers"]] == ["server", "draft"]
+    assert [ctr["name"] for ctr in pod["initContainers"]] == ["model-download", "draft-download"]
+    assert {"name": "draft-socket", "emptyDir": {}} in pod["volumes"]
+    assert pod["containers"][1]["args"][0] == "serve-draft"
+    args = _args(spec_dep)
+    assert args[args.index("--speculative-model") + 1] == "unix:///var/run/kvscale-draft/draft.sock"
+    wait_for(
+        lambda: cluster.condition(NS, "llama-70b-spec", c.DEGRADED).get("status") == "False",
+        what="the speculative LLMDeployment no longer degraded",
+    )
+    assert not any(e["reason"] == "NotSupported" for e in cluster.events(NS, "llama-70b-spec"))
 
 
 def test_ready_when_the_pods_are(cluster: Cluster) -> None:

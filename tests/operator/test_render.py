@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvscale.cli import build_parser
 from kvscale.operator import constants as c
 from kvscale.operator import render
 from kvscale.operator.config import OperatorConfig
 from kvscale.operator.spec import parse_spec
+from tests.operator.conftest import EXAMPLES, ROOT
 
 CONFIG = OperatorConfig(server_image="registry.local/kvscale-server:1.2.3")
 MakeLLMD = Callable[..., dict[str, Any]]
@@ -218,31 +221,188 @@ def test_credentials_come_from_the_secret_never_inline(make_llmd: MakeLLMD) -> N
     assert "value" not in key
 
 
-def test_speculative_draft_sidecar(make_llmd: MakeLLMD) -> None:
+SOCKET_MOUNT = {"name": "draft-socket", "mountPath": "/var/run/kvscale-draft"}
+
+
+def _example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "examples" / name).read_text())["spec"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_renders_consistent_pods(make_llmd: MakeLLMD, path: Path) -> None:
+    """Every mount names a volume of the pod, every volume is used, names are unique."""
+    _, _, objs = _render(make_llmd, yaml.safe_load(path.read_text())["spec"])
+    pod = _pod(objs)
+    containers = pod["containers"] + pod.get("initContainers", [])
+    volumes = [v["name"] for v in pod["volumes"]]
+    mounted = {m["name"] for ctr in containers for m in ctr["volumeMounts"]}
+    assert len(set(volumes)) == len(volumes) and mounted == set(volumes)
+    assert len({ctr["name"] for ctr in containers}) == len(containers)
+    for ctr in containers:
+        paths = [m["mountPath"] for m in ctr["volumeMounts"]]
+        assert len(set(paths)) == len(paths), ctr["name"]
+
+
+def test_speculative_example_runs_the_draft_in_a_sidecar(make_llmd: MakeLLMD) -> None:
+    _, _, objs = _render(make_llmd, _example("llmdeployment-speculative.yaml"))
+    pod = _pod(objs)
+    assert [ctr["name"] for ctr in pod["containers"]] == ["server", "draft"]
+    assert [ctr["name"] for ctr in pod["initContainers"]] == ["model-download", "draft-download"]
+    assert pod["initContainers"][1]["command"][:5] == [
+        "aws", "s3", "sync", "s3://my-models/llama-3.2-1b-instruct", "/models/draft",
+    ]  # fmt: skip
+    assert pod["initContainers"][1]["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+    assert {"name": "draft-socket", "emptyDir": {}} in pod["volumes"]
+    server, draft = _container(pod), _container(pod, "draft")
+    assert SOCKET_MOUNT in server["volumeMounts"] and SOCKET_MOUNT in draft["volumeMounts"]
+    assert server["args"][server["args"].index("--speculative-method") :] == [
+        "--speculative-method", "draft",
+        "--num-speculative-tokens", "4",
+        "--speculative-model", "unix:///var/run/kvscale-draft/draft.sock",
+        "--speculative-placement", "sidecar",
+        "--speculative-disable-by-batch-size", "64",
+    ]  # fmt: skip
+    assert server["resources"]["limits"][c.GPU_RESOURCE] == "4"
+    # the sidecar: same image, the draft model behind the socket, sized like the target
+    assert draft["image"] == server["image"] and draft["command"] == ["kvscale"]
+    assert draft["args"] == [
+        "serve-draft",
+        "--model", "/models/draft",
+        "--socket", "/var/run/kvscale-draft/draft.sock",
+        "--device", "cuda",
+        "--dtype", "auto",
+        "--max-num-seqs", "256",
+    ]  # fmt: skip
+    assert "ports" not in draft  # no TCP: a binary protocol on the Unix socket
+    assert draft["resources"]["limits"] == {c.GPU_RESOURCE: "1", "memory": "16Gi"}
+    socket_test = {"command": ["test", "-S", "/var/run/kvscale-draft/draft.sock"]}
+    startup, ready = draft["startupProbe"], draft["readinessProbe"]
+    assert startup["exec"] == socket_test and ready["exec"] == socket_test
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # the model load
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= 60
+    assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in (
+        draft["volumeMounts"]
+    )
+    assert draft["securityContext"] == server["securityContext"]
+    assert draft["env"] == [e for e in server["env"] if e["name"] != "KVSCALE_API_KEY"]
+
+
+def test_sidecar_follows_the_target_and_its_own_resources(make_llmd: MakeLLMD) -> None:
     spec = {
-        "model": {"source": "hf://org/big"},
-        "engine": {"tensorParallelSize": 2},
+        "model": {"source": "hf://org/big", "maxModelLen": 8192, "dtype": "bfloat16"},
+        "engine": {"maxNumSeqs": 64},
         "speculative": {
-            "draftModel": {"source": "hf://org/small", "revision": "v2"},
-            "numSpeculativeTokens": 5,
-            "resources": {"gpus": 1, "memory": "8Gi"},
+            "method": "draft",
+            "draftModel": {"source": "pvc://drafts/small"},
+            "numSpeculativeTokens": 7,
+            "resources": {"gpus": 0, "cpu": "2"},
         },
     }
     _, _, objs = _render(make_llmd, spec)
     pod = _pod(objs)
-    assert [ctr["name"] for ctr in pod["containers"]] == ["server", "draft"]
-    assert [ctr["name"] for ctr in pod["initContainers"]] == ["model-download", "draft-download"]
-    assert pod["initContainers"][1]["command"][-2:] == ["--revision", "v2"]
     server, draft = _container(pod), _container(pod, "draft")
-    assert draft["image"] == server["image"]  # same image, serving the draft model
-    assert (
-        _flag(draft["args"], "--model") == "/models/draft"
-        and _flag(draft["args"], "--host") == "127.0.0.1"
-    )
-    assert draft["resources"]["limits"] == {c.GPU_RESOURCE: "1", "memory": "8Gi"}
-    assert _flag(server["args"], "--num-speculative-tokens") == "5"
-    assert _flag(server["args"], "--speculative-model") == f"http://127.0.0.1:{c.DRAFT_PORT}/v1"
-    assert server["resources"]["limits"][c.GPU_RESOURCE] == "2"
+    assert _flag(draft["args"], "--device") == "cpu"  # no GPU asked for the sidecar
+    assert c.GPU_RESOURCE not in str(draft["resources"])
+    assert draft["resources"] == {"requests": {"cpu": "2"}}
+    assert _flag(draft["args"], "--dtype") == "bfloat16"
+    assert _flag(draft["args"], "--max-num-seqs") == "64"
+    assert _flag(draft["args"], "--max-model-len") == "8192"
+    assert _flag(draft["args"], "--model") == "/models/draft-pvc/small"
+    assert _flag(server["args"], "--num-speculative-tokens") == "7"
+    # the draft's PVC is the sidecar's alone; the target's download is the server's
+    draft_pvc = {"name": "draft-pvc", "mountPath": "/models/draft-pvc", "readOnly": True}
+    assert draft_pvc in draft["volumeMounts"] and draft_pvc not in server["volumeMounts"]
+    assert [m["name"] for m in draft["volumeMounts"]] == ["tmp", "draft-pvc", "draft-socket"]
+    assert [ctr["name"] for ctr in pod["initContainers"]] == ["model-download"]
+    # a CPU deployment's sidecar runs on the CPU whatever speculative.resources.gpus says
+    on_cpu = {
+        **spec,
+        "engine": {"device": "cpu"},
+        "speculative": {**spec["speculative"], "resources": {"gpus": 1}},
+    }
+    cpu_draft = _container(_pod(_render(make_llmd, on_cpu)[2]), "draft")
+    assert _flag(cpu_draft["args"], "--device") == "cpu"
+    assert c.GPU_RESOURCE not in str(cpu_draft["resources"])
+
+
+@pytest.mark.parametrize(
+    ("draft", "path", "init", "mount"),
+    [
+        (
+            {"source": "hf://org/small"},
+            "/models/draft",
+            ["model-download", "draft-download"],
+            {"name": "model-cache", "mountPath": "/models", "readOnly": True},
+        ),
+        (
+            {"source": "pvc://drafts/a/b"},
+            "/models/draft-pvc/a/b",
+            ["model-download"],
+            {"name": "draft-pvc", "mountPath": "/models/draft-pvc", "readOnly": True},
+        ),
+    ],
+)
+def test_inprocess_draft_shares_the_server_container(
+    make_llmd: MakeLLMD, draft: dict[str, Any], path: str, init: list[str], mount: dict[str, Any]
+) -> None:
+    spec = {
+        "model": {"source": "hf://org/big"},
+        "engine": {"tensorParallelSize": 2},
+        "speculative": {"method": "draft", "placement": "inprocess", "draftModel": draft},
+    }
+    _, _, objs = _render(make_llmd, spec)
+    pod = _pod(objs)
+    assert [ctr["name"] for ctr in pod["containers"]] == ["server"]  # no sidecar
+    assert [ctr["name"] for ctr in pod["initContainers"]] == init
+    assert "draft-socket" not in str(pod["volumes"])
+    server = _container(pod)
+    assert server["args"][server["args"].index("--speculative-method") :] == [
+        "--speculative-method", "draft",
+        "--num-speculative-tokens", "4",
+        "--speculative-model", path,
+        "--speculative-placement", "inprocess",
+    ]  # fmt: skip
+    assert server["resources"]["limits"][c.GPU_RESOURCE] == "2"  # the draft shares them
+    assert mount in server["volumeMounts"]  # where the server reads the draft's weights
+
+
+def test_ngram_example_has_no_draft_at_all(make_llmd: MakeLLMD) -> None:
+    _, _, objs = _render(make_llmd, _example("llmdeployment-ngram.yaml"))
+    pod = _pod(objs)
+    assert [ctr["name"] for ctr in pod["containers"]] == ["server"]
+    assert [ctr["name"] for ctr in pod["initContainers"]] == ["model-download"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp", "model-cache"]
+    args = _container(pod)["args"]
+    assert args[args.index("--speculative-method") :] == [
+        "--speculative-method", "ngram",
+        "--num-speculative-tokens", "4",
+        "--ngram-min", "2",
+        "--ngram-max", "5",
+        "--speculative-disable-by-batch-size", "32",
+    ]  # fmt: skip
+
+
+def test_ngram_sizes_are_left_to_the_server_unless_set(make_llmd: MakeLLMD) -> None:
+    spec = {"model": {"source": "hf://a/b"}, "speculative": {"method": "ngram"}}
+    args = _container(_pod(_render(make_llmd, spec)[2]))["args"]
+    assert args[args.index("--speculative-method") :] == [
+        "--speculative-method", "ngram", "--num-speculative-tokens", "4",
+    ]  # fmt: skip
+    spec["speculative"]["ngram"] = {"max": 3}
+    args = _container(_pod(_render(make_llmd, spec)[2]))["args"]
+    assert _flag(args, "--ngram-max") == "3" and "--ngram-min" not in args
+    plain = _container(_pod(_render(make_llmd, {"model": {"source": "hf://a/b"}})[2]))["args"]
+    assert not [a for a in plain if "specul" in a or "ngram" in a]
+
+
+def test_extra_args_follow_the_speculative_flags(make_llmd: MakeLLMD) -> None:
+    spec = {
+        "model": {"source": "hf://a/b"},
+        "engine": {"extraArgs": ["--seed", "7"]},
+        "speculative": {"method": "ngram"},
+    }
+    args = _container(_pod(_render(make_llmd, spec)[2]))["args"]
+    assert args[-2:] == ["--seed", "7"] and "--speculative-method" in args
 
 
 def test_service_and_pdb(make_llmd: MakeLLMD) -> None:
@@ -295,16 +455,13 @@ def test_hash_is_stable_ignores_replicas_and_changes_with_the_template(make_llmd
                 "prefixCaching": False,
             },
         },
-        {
-            "model": {"source": "hf://a/b"},
-            "speculative": {"draftModel": {"source": "hf://a/c"}, "numSpeculativeTokens": 3},
-        },
     ],
 )
 def test_rendered_command_lines_parse_with_the_cli(
     make_llmd: MakeLLMD, spec: dict[str, Any]
 ) -> None:
-    """Every flag the operator renders exists in `kvscale serve` (kvscale.cli.build_parser)."""
+    """Every flag the operator renders exists in `kvscale serve` (kvscale.cli.build_parser).
+    Speculative command lines: test_admission.test_speculative_command_lines_parse."""
     _, _, objs = _render(make_llmd, spec)
     for ctr in _pod(objs)["containers"]:
         assert ctr["command"] == ["kvscale"]
