@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import re
 from typing import Any
 
@@ -25,7 +24,6 @@ from kvscale.operator.config import OperatorConfig
 from kvscale.operator.render import render_deployment, server_args
 from kvscale.operator.spec import SpecError, parse_spec
 from kvscale.server.api.launcher import check_flags
-from kvscale.server.config import EngineConfig
 from tests.k8s_emulator.schema import StructuralSchema
 
 BASE: dict[str, Any] = {"model": {"source": "builtin://demo"}}
@@ -34,11 +32,6 @@ SUBCOMMANDS = next(
 ).choices
 SERVE = SUBCOMMANDS["serve"]
 SERVER_FLAGS = {opt for action in SERVE._actions for opt in action.option_strings}
-NOT_YET = {
-    "--" + f.name.replace("_", "-")
-    for f in dataclasses.fields(EngineConfig)
-    if f.metadata["not_yet"]
-}
 
 
 def _node(schema: dict[str, Any], dotted: str) -> dict[str, Any]:
@@ -128,9 +121,6 @@ def test_crd_operator_and_server_agree_at_every_bound(
             continue
         parsed = parse_spec(crd_schema.default({"spec": spec})["spec"])
         refusal = server_refusal(server_args(parsed))
-        if refusal is not None and bound.flag in NOT_YET:
-            assert "not supported yet" in refusal  # features the server does not have yet
-            continue
         assert refusal is None, f"{path}={value} passes admission but the server refuses: {refusal}"
 
 
