@@ -16,7 +16,8 @@ step() {  # step NAME SECONDS COMMAND...
   shift 2
   echo "=== [$name] $(date -u +%T) started" >> "$RES/log.txt"
   timeout "$limit" "$@" > "$RES/$name.log" 2>&1
-  echo "=== [$name] $(date -u +%T) exit $?" >> "$RES/log.txt"
+  local rc=$?  # before $(date) resets $?
+  echo "=== [$name] $(date -u +%T) exit $rc" >> "$RES/log.txt"
 }
 
 bench() {  # bench NAME SECONDS PHASES [ARGS]: engine_bench.py phases, results in $RES
@@ -60,6 +61,24 @@ plan_x2() {
   step tests-tp 300 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
   bench tp 600 ceilings,tp1,tp2,allreduce
   bench serve-tp 600 serve,serve-tp2 --concurrency 64,256
+}
+
+# Issue 23 on one GPU (about 25 minutes): the GPU tests this round changed, then the
+# measurements in priority order (the 2-GPU lease of 2026-11-26 ran every other GPU test).
+plan_single() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  step tests-gpu 300 "${pt[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_engine_cuda.py \
+    tests/gpu/test_structured_cuda.py
+  bench base 300 ceilings,ours
+  bench spec 540 spec
+  bench fp8 360 fp8
+  step accuracy 240 python3 bench/fp8_accuracy.py --model "$CKPT" --tokens 4096 \
+    --seq-len 1024 --out "$RES/fp8_accuracy.json"
+  bench int4 300 int4
+  bench prefix 300 prefix
+  bench serve 300 serve --concurrency 1,16,64,256
 }
 
 case "$1" in

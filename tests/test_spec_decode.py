@@ -175,3 +175,39 @@ def test_speculative_config_takes_vllm_keys(echo_ckpt: Path) -> None:
     assert (eng.ngram_min, eng.ngram_max) == (1, 2)
     with pytest.raises(ValueError, match="speculative_config: unknown key 'eagle_dir'"):
         LLM(str(echo_ckpt), device="cpu", speculative_config={"method": "ngram", "eagle_dir": 1})
+
+
+def test_inprocess_draft_equal_to_the_target_accepts_everything(llama_ckpt: Path) -> None:
+    """Draft = target: greedy output unchanged on a mixed batch (chunked prefill,
+    preemption, rows that do not draft), every draft accepted, k + 1 tokens per verify."""
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [greedy] * len(prompts)
+    params[1] = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    base = _run_checked(LLM(str(llama_ckpt), **TIGHT), prompts, params)
+    llm = LLM(
+        str(llama_ckpt), **TIGHT, speculative_method="draft",
+        speculative_model=str(llama_ckpt), num_speculative_tokens=3,
+    )  # fmt: skip
+    spec = _run_checked(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    s = llm.engine.stats()
+    assert s.num_preemptions > 0 and s.spec_num_drafts > 20
+    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+    assert s.spec_accepted_per_pos[0] == s.spec_num_drafts
+
+
+def test_inprocess_draft_sampling_is_reproducible(llama_ckpt: Path) -> None:
+    llm = LLM(
+        str(llama_ckpt), device="cpu", speculative_method="draft",
+        speculative_model=str(llama_ckpt), num_speculative_tokens=3,
+    )  # fmt: skip
+    prompts = _prompts()[:4]
+    # top_k=8: the target's distribution is the draft's top-8 q (the same model)
+    sp = SamplingParams(temperature=1.0, top_k=8, max_tokens=20, ignore_eos=True, seed=11)
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], sp)][::-1]
+    assert a == b
+    s = llm.engine.stats()
+    # p == q up to rounding: accept with probability min(1, p/q) = 1
+    assert s.spec_num_accepted_tokens >= 0.95 * s.spec_num_draft_tokens

@@ -1,0 +1,57 @@
+"""Speculative decoding on CUDA (GPU machine only): greedy with drafts token-identical to
+greedy without (fp32, Triton kernels, CUDA graphs for the steps without drafts), under
+chunked prefill and preemption; the echo model accepts every draft."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvscale.server import LLM, SamplingParams
+from tests.hf_reference import random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = [p + p[: len(p) // 2] for p in random_prompts(16, (2, 60), seed=3)]
+STRESS = dict(
+    max_num_batched_tokens=32, max_num_seqs=16, num_kv_blocks=24, block_size=16, max_model_len=160
+)
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory() -> Iterator[None]:
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _tokens(path: Path, **kw: object) -> tuple[list[list[int]], object]:
+    llm = LLM(str(path), device="cuda", dtype="float32", **kw)
+    outs = llm.generate(PROMPTS, GREEDY)
+    stats = llm.engine.stats()
+    assert llm.engine.worker.graphs is not None  # decode graphs run the steps without drafts
+    llm.engine.core.shutdown()
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+@pytest.mark.parametrize("model", ["random", "echo"])
+@pytest.mark.parametrize("mode", ["default", "stress"])
+def test_ngram_greedy_identical_on_cuda(
+    llama_ckpt: Path, echo_ckpt: Path, model: str, mode: str
+) -> None:
+    path = llama_ckpt if model == "random" else echo_ckpt
+    kw = STRESS if mode == "stress" else dict(num_kv_blocks=512)
+    ref, _ = _tokens(path, **kw)
+    got, stats = _tokens(path, **kw, **NGRAM)
+    assert got == ref
+    if mode == "stress":
+        assert stats.num_preemptions > 0
+    if model == "echo":
+        assert stats.spec_num_drafts > 0
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
