@@ -173,34 +173,34 @@ def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str
         "draft-inprocess": dict(speculative_method="draft", speculative_model=str(draft)),
         "ngram": dict(speculative_method="ngram"),
     }
+
+    def run(name: str, prepare: Any, repeat: bool, **kw: Any) -> None:
+        """One configuration; a failure is recorded and the others still run."""
+        try:
+            llm = make_llm(num_speculative_tokens=K, **mem, **kw)
+            prepare(llm)
+            res[name] = {f"b{b}": measure(llm, b, repeat=repeat) for b in BATCHES}
+            close(llm)
+        except Exception as e:
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[spec] {name}: {res[name]}", flush=True)
+
     for name, kw in configs.items():
-        llm = make_llm(num_speculative_tokens=K, **mem, **kw)
-        damp_deep_layers(llm)
-        res[name] = {f"b{b}": measure(llm, b, repeat=name == "ngram") for b in BATCHES}
-        close(llm)
-        print(f"[spec] {name}: {res[name]}", flush=True)
+        run(name, damp_deep_layers, name == "ngram", **kw)
     sock = Path("/tmp/kvscale-draft-bench.sock")
-    proc = _sidecar(draft, sock, out_dir / "draft-sidecar.log")
     try:
-        llm = make_llm(
-            num_speculative_tokens=K,
-            speculative_method="draft",
-            speculative_model=f"unix://{sock}",
-            **mem,
-        )
-        damp_deep_layers(llm)
-        res["draft-sidecar"] = {f"b{b}": measure(llm, b) for b in BATCHES}
-        close(llm)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    print(f"[spec] draft-sidecar: {res['draft-sidecar']}", flush=True)
-    for name, kw in (("echo-none", {}), ("echo-ngram", dict(speculative_method="ngram"))):
-        llm = make_llm(num_speculative_tokens=K, **mem, **kw)
-        make_echo(llm)
-        res[name] = {f"b{b}": measure(llm, b, repeat=True) for b in BATCHES}
-        close(llm)
-        print(f"[spec] {name}: {res[name]}", flush=True)
+        proc = _sidecar(draft, sock, out_dir / "draft-sidecar.log")
+    except Exception as e:
+        res["draft-sidecar"] = {"error": f"{type(e).__name__}: {e}"}
+    else:
+        try:
+            run("draft-sidecar", damp_deep_layers, False, speculative_method="draft",
+                speculative_model=f"unix://{sock}")  # fmt: skip
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    run("echo-none", make_echo, True)
+    run("echo-ngram", make_echo, True, speculative_method="ngram")
     return res
 
 
