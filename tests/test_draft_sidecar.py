@@ -1,16 +1,27 @@
 """The draft sidecar: the wire format (round trips, malformed frames), the client's
-mirror and failure handling against in-thread servers."""
+mirror and failure handling against in-thread servers, and real ``kvscale serve-draft``
+processes (same drafts as in process, round-trip time, SIGKILL and restart, another
+tokenizer refused)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import socket
+import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvscale.server.spec_decode import draft_protocol as wire
 from kvscale.server.spec_decode import draft_sidecar
@@ -21,6 +32,7 @@ from kvscale.server.spec_decode.draft_protocol import (
     decode_frame,
     split_frame,
 )
+from kvscale.server.spec_decode.draft_runner import DraftRunner, draft_engine_config
 from kvscale.server.spec_decode.draft_sidecar import (
     SidecarProposer,
     TokenizerMismatch,
@@ -29,7 +41,8 @@ from kvscale.server.spec_decode.draft_sidecar import (
     socket_path,
 )
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
-from tests.draft_helpers import rows
+from kvscale.server.spec_decode.tokenizer_check import tokenizer_fingerprint
+from tests.draft_helpers import rows, swap_two_tokens
 
 
 def body(frame: bytes) -> bytes:
@@ -339,3 +352,177 @@ def test_another_tokenizer_is_refused_at_start(
         SidecarProposer(path, "fedcba9876543210" * 4)
     assert isinstance(e.value, TokenizerMismatch) and path in str(e.value)
     assert "0123456789ab" in str(e.value) and "fedcba987654" in str(e.value)
+
+
+# ---- real sidecar processes -----------------------------------------------------------------
+class Sidecar:
+    """``kvscale serve-draft`` in a subprocess, its log in a file."""
+
+    def __init__(self, model: Path, sock: str, log: Path) -> None:
+        self.log = log
+        # one thread: tiny per-sequence ops with several OpenMP threads crawl on a busy CI
+        # machine; the test process runs its own runner with one thread too (same maths)
+        env = {**os.environ, "PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        cmd = [
+            sys.executable, "-m", "kvscale.cli", "serve-draft", "--model", str(model),
+            "--socket", f"unix://{sock}", "--device", "cpu", "--max-num-seqs", "64",
+            "--max-model-len", "512", "--num-speculative-tokens", "4",
+        ]  # fmt: skip
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(cmd, stderr=f, stdout=f, env=env)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if "draft sidecar ready" in self.log.read_text(errors="replace"):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"the sidecar did not start:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def sock_dir() -> Iterator[Path]:
+    """A short folder for sockets: AF_UNIX paths are limited to ~107 bytes."""
+    d = Path(tempfile.mkdtemp(prefix="kvd-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _batch(n: int, k: int, seed0: int) -> list[DraftRequest]:
+    rng = np.random.default_rng(seed0)
+    out = []
+    for i in range(n):
+        prompt = [1, *rng.integers(3, 32000, int(rng.integers(8, 24))).tolist()]
+        temp, seed = (0.0, None) if i % 3 == 0 else (0.8, 1000 + i)
+        out.append(DraftRequest(i, prompt, k, temp, seed))
+    return out
+
+
+def _advance(reqs: list[DraftRequest], p: Proposal, step: int) -> list[DraftRequest]:
+    """Each sequence keeps some of its drafts, then a token of the "target"."""
+    out = []
+    for i, r in enumerate(reqs):
+        kept = int(p.num_tokens[i]) * ((i + step) % 3) // 2
+        toks = [*r.token_ids, *p.tokens[i, :kept].tolist(), 3 + (i * 7 + step) % 31000]
+        out.append(DraftRequest(r.seq_id, toks, r.k, r.temperature, r.seed))
+    return out
+
+
+def test_sidecar_process_drafts_as_in_process_and_survives_a_kill(
+    llama_ckpt: Path, sock_dir: Path, tmp_path: Path, one_thread: None
+) -> None:
+    sock = str(sock_dir / "draft.sock")
+    other_ckpt = swap_two_tokens(llama_ckpt, tmp_path / "other-tokenizer")
+    other_sock = str(sock_dir / "other.sock")
+    side = Sidecar(llama_ckpt, sock, tmp_path / "sidecar.log")
+    other = Sidecar(other_ckpt, other_sock, tmp_path / "other.log")  # starts alongside
+    try:
+        fp = tokenizer_fingerprint(llama_ckpt)
+        local = DraftRunner.from_engine_config(
+            draft_engine_config(str(llama_ckpt), device="cpu", max_num_seqs=64, max_model_len=512),
+            k=4,
+        )
+        side.wait_ready()
+        client = SidecarProposer(sock, fp, timeout_s=60, retry_s=0.5, vocab_size=32000)
+        assert client.available and client.hello is not None and client.hello.fingerprint == fp
+
+        # the same drafts (greedy and seeded sampled, over rollbacks) as in process
+        reqs = _batch(16, 4, 0)
+        for step in range(4):
+            got, want = client.propose(reqs), local.propose(reqs)
+            assert rows(got) == rows(want), step
+            assert want.q_ids is not None and got.q_ids is not None and got.q_probs is not None
+            assert np.array_equal(got.q_ids, want.q_ids)
+            assert np.allclose(got.q_probs, want.q_probs, atol=1e-6)
+            reqs = _advance(reqs, got, step)
+        client.release([0, 1])
+        local.release([0, 1])
+        reqs = reqs[2:]
+        assert rows(client.propose(reqs)) == rows(local.propose(reqs))
+
+        # the round trip of batch 64, k = 4, beyond the sidecar's time in the model
+        big = [replace(r, seq_id=1000 + r.seq_id) for r in _batch(64, 4, 1)]
+        overheads, computes = [], []
+        for step in range(4):
+            p = client.propose(big)
+            assert p.num_tokens.tolist() == [4] * 64
+            if step:  # steady state: a catch-up of a few tokens per sequence
+                overheads.append(client.last_round_trip_s - client.last_server_s)
+                computes.append(client.last_server_s)
+            big = _advance(big, p, step)
+        overhead = statistics.median(overheads)
+        print(
+            f"\nsidecar round trip, batch 64, k=4: {overhead * 1e3:.2f} ms beyond the draft "
+            f"model's {statistics.median(computes) * 1e3:.1f} ms (median of "
+            f"{len(overheads)} steps; min {min(overheads) * 1e3:.2f} ms)"
+        )
+        assert overhead < 0.05
+
+        # SIGKILL while a step is in flight: no drafts, no exception, unavailable
+        fresh = [replace(r, seq_id=2000 + r.seq_id) for r in _batch(64, 4, 2)]
+        killer = threading.Timer(0.05, side.proc.send_signal, (signal.SIGKILL,))
+        killer.start()
+        p = client.propose(fresh)
+        killer.join()
+        side.proc.wait(30)
+        if client.available:  # the step beat the kill: the next one meets a dead socket
+            p = client.propose(fresh)
+        assert p.num_tokens.tolist() == [0] * 64 and not client.available
+        assert client.num_failures >= 1
+        t0 = time.monotonic()
+        assert client.propose(fresh).num_tokens.sum() == 0  # fast while it is down
+        assert time.monotonic() - t0 < 0.1
+
+        # restarted on the same socket: back within retry_s (a one-token probe), mirror reset
+        side = Sidecar(llama_ckpt, sock, tmp_path / "sidecar2.log")
+        side.wait_ready()
+        ready = time.monotonic()
+        probe = [DraftRequest(3000, [1, 5], 1)]
+        while not client.available and time.monotonic() - ready < 5.0:
+            client.propose(probe)
+            time.sleep(0.02)
+        assert client.available and client.num_reconnects == 1
+        assert time.monotonic() - ready < client.retry_s + 0.5
+        local.reset()
+        assert rows(client.propose(reqs)) == rows(local.propose(reqs))
+
+        # a sidecar serving another tokenizer is refused at start with the reason
+        other.wait_ready()
+        with pytest.raises(ValueError, match="another tokenizer") as e:
+            SidecarProposer(f"unix://{other_sock}", fp, timeout_s=60)
+        assert other_sock in str(e.value) and fp[:12] in str(e.value)
+
+        # SIGTERM: a clean exit that removes the socket
+        client.close()
+        side.proc.send_signal(signal.SIGTERM)
+        assert side.proc.wait(30) == 0
+        assert not Path(sock).exists() and "draft sidecar stopped" in side.log.read_text()
+    finally:
+        side.stop()
+        other.stop()
+
+
+def test_serve_draft_cli_refuses_a_bad_model(sock_dir: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, "-m", "kvscale.cli", "serve-draft", "--socket"]
+    bad = subprocess.run(
+        [*base, str(sock_dir / "x.sock"), "--model", str(tmp_path / "missing")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "cannot load the draft model" in bad.stderr
+    assert "is not a directory" in bad.stderr and not (sock_dir / "x.sock").exists()
