@@ -2,6 +2,7 @@
 
 ``kvscale serve``: the OpenAI-compatible HTTP server. ``kvscale bench serve``: a load
 generator against such a server. ``kvscale generate``: offline generation.
+``kvscale serve-draft``: a draft model for speculative decoding, served on a Unix socket.
 """
 
 from __future__ import annotations
@@ -47,6 +48,129 @@ def _serve(args: argparse.Namespace) -> int:
     from kvscale.server.api.launcher import run_server
 
     return run_server(args)
+
+
+def _serve_draft(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from kvscale.server.config import CheckpointError, resolve_model_path
+    from kvscale.server.spec_decode.draft_runner import DraftRunner, draft_engine_config
+    from kvscale.server.spec_decode.draft_sidecar import serve_draft, socket_path
+    from kvscale.server.spec_decode.tokenizer_check import tokenizer_fingerprint
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("kvscale.draft")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        model = resolve_model_path(args.model)
+        engine = draft_engine_config(
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            num_kv_blocks=args.num_kv_blocks,
+            seed=args.seed,
+        )
+        fingerprint = tokenizer_fingerprint(model)
+        runner = DraftRunner.from_engine_config(
+            engine,
+            args.num_speculative_tokens,
+            args.top_m,
+            vocab_limit=args.vocab_limit,
+            kv_cache_tokens=args.kv_cache_tokens,
+        )
+    except CheckpointError as e:
+        print(f"kvscale serve-draft: cannot load the draft model: {e}", file=sys.stderr)
+        return 1
+    path = socket_path(args.socket)
+
+    def ready() -> None:
+        log.info(
+            "draft sidecar ready on %s: %s on %s (%s), k=%d, top_m=%d, %d KV blocks, "
+            "tokenizer %s",
+            path, model, runner.device, str(runner.config.dtype).removeprefix("torch."),
+            runner.max_k, runner.top_m, runner.block_manager.num_blocks, fingerprint[:12],
+        )  # fmt: skip
+
+    serve_draft(runner, path, fingerprint, stop=stop, on_ready=ready)
+    log.info("draft sidecar stopped")
+    return 0
+
+
+def _add_serve_draft_arguments(p: argparse.ArgumentParser) -> None:
+    from dataclasses import fields
+
+    from kvscale.server.config import EngineConfig
+    from kvscale.server.spec_decode.draft_runner import DEFAULT_TOP_M
+
+    settings = {f.name: f for f in fields(EngineConfig)}
+
+    def setting(name: str, kind: type, **kw: object) -> None:
+        f = settings[name]  # the engine's own help text and default
+        default = kw.pop("default", f.default)
+        shown = "" if default is None else " (default: %(default)s)"
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=f.metadata["help"] + shown,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    p.add_argument("--model", required=True, help="draft checkpoint folder (or 'demo')")
+    p.add_argument(
+        "--socket", required=True, help="Unix socket to listen on: a path or unix:///path"
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="most tokens drafted per sequence and step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--top-m",
+        type=int,
+        default=DEFAULT_TOP_M,
+        help="support of a sampled draft's distribution: its top M tokens, renormalised "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--vocab-limit",
+        type=int,
+        default=None,
+        help="draft only token ids below this: the target's vocabulary size, when the draft "
+        "model's is larger (default: the draft model's)",
+    )
+    setting("device", str)
+    setting("dtype", str)
+    setting("max_num_seqs", int)
+    setting("max_model_len", int)
+    setting("block_size", int)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (or:)")
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens (default: room for max-num-seqs sequences of "
+        "max-model-len tokens, at most 1 GiB)",
+    )
+    setting("seed", int)
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default: %(default)s)",
+    )
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -174,6 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    draft = sub.add_parser(
+        "serve-draft",
+        allow_abbrev=False,
+        help="serve a draft model for speculative decoding on a Unix socket",
+        description="Serve a draft model (same tokenizer as the target) to a kvscale server "
+        "over a Unix socket: one client, one round trip per step. Exits 0 on SIGTERM.",
+    )
+    _add_serve_draft_arguments(draft)
+    draft.set_defaults(func=_serve_draft)
 
     bench = sub.add_parser("bench", help="benchmarks (kvscale bench serve --help)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")

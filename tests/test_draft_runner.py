@@ -5,7 +5,7 @@ report their exact q, seeded drafts reproduce, and the tokenizer check."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,16 @@ PROMPTS = [
     [1, *range(100, 140)],  # over two blocks of 16
     [1, 7, 8],
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Hundreds of tiny per-sequence attention ops: with several OpenMP threads they crawl
+    on a busy 2-core CI machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

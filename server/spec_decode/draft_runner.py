@@ -168,6 +168,8 @@ class DraftRunner:
         self._rng = np.random.default_rng(config.engine.seed)
         self._calls = 0
         self._warned: set[str] = set()
+        # one call's drafts on the device: tokens [P, K], q ids/probs [P, K, M]
+        self._tokens = self._q_ids = self._q_probs = torch.empty(0)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -334,8 +336,9 @@ class DraftRunner:
         p, k = len(rows), max(r.k for r in rows)
         dev = self.device
         self._tokens = torch.zeros(p, k, dtype=torch.long, device=dev)
-        self._q_ids = torch.zeros(p, k, self.top_m, dtype=torch.long, device=dev)
-        self._q_probs = torch.zeros(p, k, self.top_m, dtype=torch.float32, device=dev)
+        m = self.top_m if want_q else 0
+        self._q_ids = torch.zeros(p, k, m, dtype=torch.long, device=dev)
+        self._q_probs = torch.zeros(p, k, m, dtype=torch.float32, device=dev)
         self._catch_up(rows, want_q)
         for j in range(1, k):
             active = [i for i, r in enumerate(rows) if r.k > j]
