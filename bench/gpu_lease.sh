@@ -69,8 +69,8 @@ plan_single() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
-  step tests-gpu 300 "${pt[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_engine_cuda.py \
-    tests/gpu/test_structured_cuda.py
+  step tests-gpu 360 "${pt[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
+    tests/gpu/test_engine_cuda.py tests/gpu/test_structured_cuda.py
   bench base 300 ceilings,ours
   bench spec 540 spec
   bench fp8 360 fp8

@@ -526,3 +526,62 @@ def test_serve_draft_cli_refuses_a_bad_model(sock_dir: Path, tmp_path: Path) -> 
     )  # fmt: skip
     assert bad.returncode == 1 and "cannot load the draft model" in bad.stderr
     assert "is not a directory" in bad.stderr and not (sock_dir / "x.sock").exists()
+
+
+def test_engine_serves_through_a_sidecar_kill_and_restart(
+    llama_ckpt: Path, sock_dir: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """The engine with draft = target in a sidecar: greedy tokens equal greedy without
+    speculation; the sidecar killed mid-run loses no request (the engine goes on without
+    drafts and says so in its stats); restarted, speculation resumes."""
+    from kvscale.server import LLM, SamplingParams
+
+    sock = str(sock_dir / "engine.sock")
+    side = Sidecar(llama_ckpt, sock, tmp_path / "sidecar.log")
+    side.wait_ready()
+    prompts = [[1, *range(100 + 7 * i, 112 + 9 * i)] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [
+        o.outputs[0].token_ids for o in LLM(str(llama_ckpt), device="cpu").generate(prompts, sp)
+    ]
+    llm = LLM(
+        str(llama_ckpt), device="cpu", speculative_method="draft",
+        speculative_model=f"unix://{sock}", num_speculative_tokens=3,
+    )  # fmt: skip
+    proposer = llm.engine.core.speculator.proposer  # type: ignore[union-attr]
+    proposer.timeout_s = 60.0  # a busy 2-core CI machine: the tiny draft may take seconds
+    eng = llm.engine
+
+    def run(kill_after: int | None = None) -> list[list[int]]:
+        rids = []
+        for i, p in enumerate(prompts):
+            rid = f"{id(p)}-{i}-{kill_after}"
+            eng.queue(rid, p, eng.prepare(p, sp), sp)
+            rids.append(rid)
+        done = {}
+        for step in range(1000):
+            if kill_after is not None and step == kill_after:
+                side.stop()
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            if len(done) == len(rids):
+                break
+        return [done[r] for r in rids]
+
+    try:
+        assert run() == want
+        s = eng.stats()
+        assert s.spec_draft_available is True and s.spec_num_drafts > 0
+        assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens  # draft = target
+        assert run(kill_after=3) == want  # killed mid-run: nothing lost, same tokens
+        s2 = eng.stats()
+        assert s2.spec_draft_available is False and s2.spec_draft_failures > 0
+        side = Sidecar(llama_ckpt, sock, tmp_path / "sidecar2.log")
+        side.wait_ready()
+        time.sleep(proposer.retry_s)  # the client reconnects at most this often
+        assert run() == want
+        s3 = eng.stats()
+        assert s3.spec_draft_available is True and s3.spec_num_drafts > s2.spec_num_drafts
+    finally:
+        side.stop()
