@@ -145,11 +145,18 @@ def measure(llm: Any, batch: int, repeat: bool = False) -> dict[str, Any]:
     }
 
 
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _sidecar(draft: Path, socket: Path, log: Path) -> subprocess.Popen[bytes]:
     socket.unlink(missing_ok=True)
     cmd = [
         sys.executable, "-m", "kvscale.cli", "serve-draft", "--model", str(draft),
-        "--socket", str(socket), "--device", "cuda", "--dtype", "bfloat16",
+        "--socket", str(socket), "--device", _device(), "--dtype", "bfloat16" if _device() ==
+        "cuda" else "float32",
         "--max-num-seqs", "16", "--max-model-len", "2048", "--num-speculative-tokens", str(K),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ)
