@@ -539,13 +539,14 @@ def test_engine_serves_through_a_sidecar_kill_and_restart(
     sock = str(sock_dir / "engine.sock")
     side = Sidecar(llama_ckpt, sock, tmp_path / "sidecar.log")
     side.wait_ready()
-    prompts = [[1, *range(100 + 7 * i, 112 + 9 * i)] for i in range(4)]
+    prompts = [[1, *range(100 + 7 * i, 140 + 9 * i)] for i in range(6)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = [
-        o.outputs[0].token_ids for o in LLM(str(llama_ckpt), device="cpu").generate(prompts, sp)
-    ]
+    # chunked prefill (16-token budget) and preemption (a small pool) on every run
+    tight = dict(device="cpu", num_kv_blocks=16, block_size=8, max_num_batched_tokens=16,
+                 max_num_seqs=6, max_model_len=96)  # fmt: skip
+    want = [o.outputs[0].token_ids for o in LLM(str(llama_ckpt), **tight).generate(prompts, sp)]
     llm = LLM(
-        str(llama_ckpt), device="cpu", speculative_method="draft",
+        str(llama_ckpt), **tight, speculative_method="draft",
         speculative_model=f"unix://{sock}", num_speculative_tokens=3,
     )  # fmt: skip
     proposer = llm.engine.core.speculator.proposer  # type: ignore[union-attr]
@@ -572,6 +573,7 @@ def test_engine_serves_through_a_sidecar_kill_and_restart(
     try:
         assert run() == want
         s = eng.stats()
+        assert s.num_preemptions > 0
         assert s.spec_draft_available is True and s.spec_num_drafts > 0
         assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens  # draft = target
         assert run(kill_after=3) == want  # killed mid-run: nothing lost, same tokens
