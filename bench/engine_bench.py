@@ -950,14 +950,13 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
 def _llm(ckpt: Path, **kw: Any) -> Any:
     from kvscale.server import LLM
 
-    return LLM(
-        str(ckpt),
+    settings: dict[str, Any] = dict(
         dtype="bfloat16",
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
         gpu_memory_utilization=0.9,
-        **kw,
     )
+    return LLM(str(ckpt), **{**settings, **kw})
 
 
 def _close(llm: Any) -> None:

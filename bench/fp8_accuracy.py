@@ -100,7 +100,13 @@ def position_logprobs(worker: Any, seq: list[int]) -> torch.Tensor:
 
 def evaluate(model: str, device: str, dtype: str, num_tokens: int, seq_len: int) -> dict[str, Any]:
     worker, tokenizer = _worker(model, device, dtype, seq_len)
-    ids = list(tokenizer.encode(text_corpus(), add_special_tokens=False))
+    # the tokenizer may know more ids than the model's vocabulary (the 8B-shaped checkpoint
+    # carries the 131k Tekken tokenizer over 128,256 rows): keep the ids the model has
+    ids = [
+        i
+        for i in tokenizer.encode(text_corpus(), add_special_tokens=False)
+        if i < worker.vocab_size
+    ]
     seqs = sequences(ids, seq_len, num_tokens)
     refs = [position_logprobs(worker, s).cpu() for s in seqs]
     positions = sum(len(s) for s in seqs)

@@ -81,6 +81,19 @@ plan_single() {
   bench serve 300 serve --concurrency 1,16,64,256
 }
 
+# Issue 23, second single-GPU lease: the speculative phase and the FP8 accuracy script
+# (both failed in the first for bench bugs), and the GPU tests fixed after it.
+plan_spec() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  step tests-gpu 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150 \
+    tests/gpu/test_spec_cuda.py "tests/gpu/test_engine_cuda.py::test_fp8_engine_with_cuda_graphs_matches_eager" \
+    "tests/gpu/test_engine_cuda.py::test_fp8_kv_cache_with_cuda_graphs_matches_eager"
+  bench spec 420 spec
+  step accuracy 240 python3 bench/fp8_accuracy.py --model "$CKPT" --tokens 4096 \
+    --seq-len 1024 --out "$RES/fp8_accuracy.json"
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
@@ -94,7 +107,8 @@ case "$1" in
     [ -f "$RES/finished" ] && echo "plan finished"
     for f in "$RES"/tests-*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 4 "$f"; }; done
     # one archive: the device tool returns at most 8 files
-    [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" --exclude=compile-cache -C "$RES" .
+    [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" --exclude=compile-cache \
+      --exclude='*.safetensors' -C "$RES" .
     ;;
   plan_*)
     "$1"

@@ -172,7 +172,8 @@ def _sidecar(draft: Path, socket: Path, log: Path) -> subprocess.Popen[bytes]:
 def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str, Any]:
     """Every configuration at batch 1 and 16; ``make_llm(**kw)``/``close(llm)`` build and
     free an engine on the 8B-shaped checkpoint (engine_bench's)."""
-    draft = write_draft_checkpoint(ckpt, out_dir / "draft-ckpt")
+    # beside the target, not in out_dir (results travel back; 3 GB of weights must not)
+    draft = write_draft_checkpoint(ckpt, ckpt.parent / f"{ckpt.name}-draft{DRAFT_LAYERS}")
     res: dict[str, Any] = {"k": K, "draft_layers": DRAFT_LAYERS, "deep_scale": DEEP_SCALE}
     mem = dict(gpu_memory_utilization=0.75)  # room for a draft beside the target
     configs: dict[str, dict[str, Any]] = {

@@ -53,5 +53,7 @@ def test_ngram_greedy_identical_on_cuda(
     if mode == "stress":
         assert stats.num_preemptions > 0
     if model == "echo":
+        # the echo model repeats its last token for nearly every token (an embedding's
+        # dot product with itself is nearly always the largest): nearly every draft holds
         assert stats.spec_num_drafts > 0
-        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
