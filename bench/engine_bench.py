@@ -116,6 +116,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "serve-piecewise",
     "int4",
     "spec",
+    "spec-piecewise",
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
@@ -1622,6 +1623,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "int4": lambda: phase_int4(ckpt, out),
         "spec": lambda: spec_bench.phase_spec(ckpt, out, lambda **kw: _llm(ckpt, **kw), _close),
+        "spec-piecewise": lambda: spec_bench.phase_spec_piecewise(
+            ckpt, out, lambda **kw: _llm(ckpt, **kw), _close
+        ),
     }
     for name in phases:
         path = out / f"phase_{name}.json"

@@ -94,6 +94,16 @@ plan_spec() {
     --seq-len 1024 --out "$RES/fp8_accuracy.json"
 }
 
+# Issue 23, third single-GPU lease: the FP8 graph tests by logprobs, and verify steps as
+# piecewise graphs.
+plan_pw() {
+  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  step tests-fp8 200 python3 -m pytest -q -s -p no:cacheprovider --tb=short --timeout=150 \
+    "tests/gpu/test_engine_cuda.py::test_fp8_engine_with_cuda_graphs_matches_eager" \
+    "tests/gpu/test_engine_cuda.py::test_fp8_kv_cache_with_cuda_graphs_matches_eager"
+  bench spec-piecewise 360 spec-piecewise
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

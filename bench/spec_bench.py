@@ -169,6 +169,32 @@ def _sidecar(draft: Path, socket: Path, log: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
+def phase_spec_piecewise(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str, Any]:
+    """The damped pair with verify steps replayed as piecewise CUDA graphs
+    (``--cuda-graph-mode full_and_piecewise``; by default they run eagerly), against the
+    target alone in the same mode."""
+    draft = write_draft_checkpoint(ckpt, ckpt.parent / f"{ckpt.name}-draft{DRAFT_LAYERS}")
+    pw = dict(
+        cuda_graph_mode="full_and_piecewise",
+        compile_cache_dir=str(out_dir / "compile-cache"),
+        gpu_memory_utilization=0.75,
+    )
+    res: dict[str, Any] = {"k": K, "mode": "full_and_piecewise"}
+    for name, kw in (
+        ("none", {}),
+        ("draft-inprocess", dict(speculative_method="draft", speculative_model=str(draft))),
+    ):
+        try:
+            llm = make_llm(num_speculative_tokens=K, **pw, **kw)
+            damp_deep_layers(llm)
+            res[name] = {f"b{b}": measure(llm, b) for b in BATCHES}
+            close(llm)
+        except Exception as e:
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[spec-piecewise] {name}: {res[name]}", flush=True)
+    return res
+
+
 def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str, Any]:
     """Every configuration at batch 1 and 16; ``make_llm(**kw)``/``close(llm)`` build and
     free an engine on the 8B-shaped checkpoint (engine_bench's)."""
