@@ -104,6 +104,11 @@ plan_pw() {
   bench spec-piecewise 360 spec-piecewise
 }
 
+plan_pw2() {
+  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  bench spec-piecewise 360 spec-piecewise
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -189,7 +189,8 @@ def phase_spec_piecewise(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -
             damp_deep_layers(llm)
             res[name] = {f"b{b}": measure(llm, b) for b in BATCHES}
             close(llm)
-        except Exception as e:
+            del llm  # before the next engine sizes its pool from the memory left
+        except Exception as e:  # the bench reports and goes on
             res[name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"[spec-piecewise] {name}: {res[name]}", flush=True)
     return res
