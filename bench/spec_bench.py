@@ -169,6 +169,18 @@ def _sidecar(draft: Path, socket: Path, log: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
+def _release_compiled() -> None:
+    """Drops Dynamo's caches (compiled code holds the model) and frees the GPU memory."""
+    import gc
+
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def phase_spec_piecewise(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str, Any]:
     """The damped pair with verify steps replayed as piecewise CUDA graphs
     (``--cuda-graph-mode full_and_piecewise``; by default they run eagerly), against the
@@ -190,6 +202,7 @@ def phase_spec_piecewise(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -
             res[name] = {f"b{b}": measure(llm, b) for b in BATCHES}
             close(llm)
             del llm  # before the next engine sizes its pool from the memory left
+            _release_compiled()
         except Exception as e:  # the bench reports and goes on
             res[name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"[spec-piecewise] {name}: {res[name]}", flush=True)
