@@ -247,9 +247,10 @@ class EngineConfig:
         4, "n-gram: longest suffix tried first", group="speculative", min=1, max=16
     )
     speculative_disable_by_batch_size: int = setting(
-        32,
-        "speculation pauses while more sequences than this run (large batches are compute "
-        "bound: verifying drafts then costs more than it saves); the steps are pipelined again",
+        8,
+        "speculation pauses while more sequences than this run (measured on an H100: a "
+        "batch of 16 ran 1.07x slower with drafts, its verify steps running eagerly); the "
+        "steps are pipelined again",
         group="speculative",
         min=1,
     )
