@@ -1,7 +1,8 @@
 """Command line.
 
-``kvscale serve``: the OpenAI-compatible HTTP server. ``kvscale bench serve``: a load
-generator against such a server. ``kvscale generate``: offline generation.
+``kvscale serve``: the OpenAI-compatible HTTP server. ``kvscale route``: a prefix-aware
+proxy in front of several servers. ``kvscale bench serve``: a load generator against such
+a server. ``kvscale generate``: offline generation.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def _serve(args: argparse.Namespace) -> int:
     from kvscale.server.api.launcher import run_server
 
     return run_server(args)
+
+
+def _route(args: argparse.Namespace) -> int:
+    from kvscale.router.cli import run
+
+    return run(args)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -174,6 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    from kvscale.router.cli import EPILOG as ROUTE_EPILOG
+    from kvscale.router.cli import add_arguments as add_route_arguments
+
+    route = sub.add_parser(
+        "route",
+        allow_abbrev=False,
+        help="run the prefix-aware router in front of several servers",
+        description="An OpenAI-compatible reverse proxy that sends each request to one of "
+        "--upstream's ready replicas (prefix affinity with bounded loads by default).",
+        epilog=ROUTE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_route_arguments(route)
+    route.set_defaults(func=_route)
 
     bench = sub.add_parser("bench", help="benchmarks (kvscale bench serve --help)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
