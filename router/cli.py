@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per poll
     tokenizer = (
         PromptTokenizer(args.tokenizer, _read(args.chat_template)) if args.tokenizer else None
     )

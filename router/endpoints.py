@@ -26,6 +26,7 @@ from kvscale.router.balance import DEFAULT_VNODES, HashRing, Load
 log = logging.getLogger("kvscale.router")
 
 Update = Callable[[Sequence[str]], None]
+NOT_READY_POLL_S = 0.5  # how often a replica out of the rotation is polled, at most
 
 
 class EndpointSource(Protocol):
@@ -139,8 +140,17 @@ class Pool:
     async def poll_forever(
         self, client: httpx.AsyncClient, interval: float, timeout: float = 5.0
     ) -> None:
+        """Polls each ready replica every ``interval`` seconds, and each one out of the
+        rotation more often (every NOT_READY_POLL_S at most), so that it rejoins soon
+        after its /ready turns 200."""
+        tick = min(interval, NOT_READY_POLL_S)
         while True:
-            reps = list(self.replicas.values())
-            if reps:
-                await asyncio.gather(*(self.poll_one(client, r, timeout) for r in reps))
-            await asyncio.sleep(interval)
+            now = time.monotonic()
+            due = [
+                r
+                for r in self.replicas.values()
+                if now - r.polled_at >= (interval if r.ready else tick)
+            ]
+            if due:
+                await asyncio.gather(*(self.poll_one(client, r, timeout) for r in due))
+            await asyncio.sleep(tick)
