@@ -79,17 +79,19 @@ class HashRing:
 
 @dataclass(frozen=True)
 class Load:
-    """A replica's load as the router sees it: requests it has in flight there, the
-    requests the replica reports waiting (which also counts other routers' traffic),
-    and the fraction of its KV cache in use."""
+    """A replica's load as the router sees it: the requests this router has in flight
+    there (current), the requests the replica last reported (``kvscale:num_requests_
+    running`` + ``num_requests_waiting``: they count other routers' requests too, but are
+    up to one scrape old) and the fraction of its KV cache in use. The load is the larger
+    of the two counts: adding them would count this router's requests twice."""
 
     inflight: int = 0
-    waiting: int = 0
+    reported: int = 0
     kv_usage: float = 0.0
 
     @property
     def total(self) -> int:
-        return self.inflight + self.waiting
+        return max(self.inflight, self.reported)
 
 
 def load_bound(loads: dict[str, Load], epsilon: float) -> int:

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="the model's checkpoint folder (its tokenizer and chat template); needed by "
-        "--policy prefix",
+        help="the model's checkpoint folder (its tokenizer and chat template), for --policy "
+        "prefix (without it only token-id prompts get prefix affinity)",
     )
     p.add_argument("--chat-template", default=None, help="as given to the servers, if any")
     p.add_argument(
@@ -106,8 +106,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvscale.router.app import RouterSettings
 
-    if args.policy == "prefix" and not args.tokenizer:
-        raise ValueError("--policy prefix needs --tokenizer (the model's checkpoint folder)")
     if args.block_size < 1 or args.prefix_tokens < 1:
         raise ValueError("--block-size and --prefix-tokens must be >= 1")
     if args.load_epsilon < 0:
@@ -145,9 +143,15 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per poll
-    tokenizer = (
-        PromptTokenizer(args.tokenizer, _read(args.chat_template)) if args.tokenizer else None
-    )
+    tokenizer = None
+    if args.policy == "prefix":
+        if args.tokenizer:
+            tokenizer = PromptTokenizer(args.tokenizer, _read(args.chat_template))
+        else:
+            logging.getLogger("kvscale.router").warning(
+                "no --tokenizer: only token-id prompts get prefix affinity, text and chat "
+                "requests go to the least-loaded replica"
+            )
     app = RouterApp(settings, StaticEndpoints(args.upstream), tokenizer)
     uvicorn.run(
         app,

@@ -5,7 +5,8 @@ An ``EndpointSource`` reports the set of replica base URLs whenever it changes;
 watcher would implement the same ``run`` (calling ``update`` on every change of the
 deployment's ready addresses). ``Pool`` holds the replicas' state: readiness (polled from
 ``/ready``, and dropped at once on a refused connection), the load scraped from
-``/metrics`` (``kvscale:num_requests_waiting``, ``kvscale:kv_cache_usage_perc``) and the
+``/metrics`` (``kvscale:num_requests_running`` + ``num_requests_waiting``,
+``kvscale:kv_cache_usage_perc``) and the
 requests the router has in flight at each.
 """
 
@@ -52,23 +53,23 @@ class Replica:
     url: str
     ready: bool = False
     inflight: int = 0
-    waiting: int = 0
+    reported: int = 0  # running + waiting, as last scraped
     kv_usage: float = 0.0
     polled_at: float = 0.0
 
     def load(self) -> Load:
-        return Load(self.inflight, self.waiting, self.kv_usage)
+        return Load(self.inflight, self.reported, self.kv_usage)
 
 
 def parse_load(text: str) -> tuple[int, float]:
-    """(requests waiting, KV-cache usage) from a replica's ``/metrics`` text."""
-    waiting, kv = 0.0, 0.0
+    """(requests running or waiting, KV-cache usage) from a replica's ``/metrics``."""
+    count, kv = 0.0, 0.0
     for fam in text_string_to_metric_families(text):
-        if fam.name == "kvscale:num_requests_waiting":
-            waiting = sum(s.value for s in fam.samples)
+        if fam.name in ("kvscale:num_requests_waiting", "kvscale:num_requests_running"):
+            count += sum(s.value for s in fam.samples)
         elif fam.name == "kvscale:kv_cache_usage_perc":
             kv = max((s.value for s in fam.samples), default=0.0)
-    return int(waiting), float(kv)
+    return int(count), float(kv)
 
 
 class Pool:
@@ -130,7 +131,7 @@ class Pool:
             if ok:
                 m = await client.get(f"{r.url}/metrics", timeout=timeout)
                 if m.status_code == 200:
-                    r.waiting, r.kv_usage = parse_load(m.text)
+                    r.reported, r.kv_usage = parse_load(m.text)
         except (httpx.HTTPError, ValueError):
             ok = False
         r.polled_at = time.monotonic()

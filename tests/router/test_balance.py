@@ -98,7 +98,7 @@ def test_bounded_load_skips_the_overloaded_home() -> None:
     c = choose("prefix", key, ring, loads)
     assert c is not None and (c.replica, c.reason) == (order[0], PREFIX_HIT)
     # the home carries 5 of 9: the bound is ceil(1.25 * 10 / 5) = 3, so it is skipped
-    loads[order[0]] = Load(inflight=3, waiting=2)
+    loads[order[0]] = Load(inflight=3, reported=5)
     assert load_bound(loads, 0.25) == 3
     c = choose("prefix", key, ring, loads, epsilon=0.25)
     assert c is not None and (c.replica, c.reason) == (order[1], LOAD_BOUND)
@@ -119,7 +119,7 @@ def test_the_chosen_replica_always_fits_the_bound() -> None:
     rng = random.Random(7)
     ring = HashRing(REPLICAS)
     for key in _keys(300, seed=2):
-        loads = {r: Load(rng.randrange(10), rng.randrange(4)) for r in REPLICAS}
+        loads = {r: Load(rng.randrange(10), rng.randrange(12)) for r in REPLICAS}
         c = choose("prefix", key, ring, loads, epsilon=rng.choice([0.0, 0.25, 1.0]))
         assert c is not None and c.load + 1 <= c.bound
 
@@ -127,8 +127,8 @@ def test_the_chosen_replica_always_fits_the_bound() -> None:
 def test_short_prompts_and_least_loaded_go_to_the_least_loaded() -> None:
     ring = HashRing(REPLICAS)
     loads = {r: Load(inflight=3) for r in REPLICAS}
-    loads[REPLICAS[3]] = Load(inflight=1, waiting=1)
-    loads[REPLICAS[2]] = Load(inflight=0, waiting=4)
+    loads[REPLICAS[3]] = Load(inflight=2, reported=1)  # the scrape is older: 2
+    loads[REPLICAS[2]] = Load(inflight=0, reported=4)  # another router's requests
     key = prefix_key(list(range(10)), 16, 4)
     assert key is None
     c = choose("prefix", key, ring, loads)
