@@ -253,14 +253,19 @@ class RouterApp:
             self.metrics.decisions.labels(choice.reason).inc()
             self.metrics.load_ratio.observe((choice.load + 1) / max(1, choice.bound))
             replica = self.pool.replicas[choice.replica]
-            if await self._attempt(replica, scope, send, body):
+            others = set(self.pool.ready()) - tried - {replica.url}
+            if await self._attempt(replica, scope, send, body, last_resort=not others):
                 return
             tried.add(replica.url)
             self.metrics.retries.inc()
 
-    async def _attempt(self, replica: Replica, scope: Scope, send: Send, body: bytes) -> bool:
+    async def _attempt(
+        self, replica: Replica, scope: Scope, send: Send, body: bytes, last_resort: bool
+    ) -> bool:
         """One try at ``replica``: False if it failed before any response byte (the
-        caller tries another), True once a response was relayed (or failed midway)."""
+        caller tries another), True once a response was relayed (or failed midway). A 503
+        (a draining or stalled server, whose /ready the last poll still saw at 200) takes
+        the replica out of the rotation and is tried elsewhere, unless ``last_resort``."""
         assert self.client is not None
         url = replica.url + scope["raw_path"].decode("latin-1")
         if scope.get("query_string"):
@@ -283,6 +288,13 @@ class RouterApp:
                 log.warning("replica %s failed before responding: %r", replica.url, e)
                 if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
                     self.pool.set_ready(replica.url, False)  # back when /ready says so
+                outcome = ""
+                return False
+            if resp.status_code == 503 and not last_resort:
+                await resp.aclose()
+                self.metrics.upstream_errors.labels(replica.url, "unavailable").inc()
+                log.warning("replica %s answered 503: out of the rotation", replica.url)
+                self.pool.set_ready(replica.url, False)
                 outcome = ""
                 return False
             try:

@@ -80,18 +80,18 @@ class HashRing:
 @dataclass(frozen=True)
 class Load:
     """A replica's load as the router sees it: the requests this router has in flight
-    there (current), the requests the replica last reported (``kvscale:num_requests_
-    running`` + ``num_requests_waiting``: they count other routers' requests too, but are
-    up to one scrape old) and the fraction of its KV cache in use. The load is the larger
-    of the two counts: adding them would count this router's requests twice."""
+    there (current), plus the requests the replica last reported running or waiting
+    beyond those (``others``: other routers' requests; up to one scrape old), and the
+    fraction of its KV cache in use. Counting the reported number whole would count this
+    router's requests twice, and stale: a replica that just finished would look busy."""
 
     inflight: int = 0
-    reported: int = 0
+    others: int = 0
     kv_usage: float = 0.0
 
     @property
     def total(self) -> int:
-        return max(self.inflight, self.reported)
+        return self.inflight + self.others
 
 
 def load_bound(loads: dict[str, Load], epsilon: float) -> int:

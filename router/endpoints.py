@@ -4,10 +4,10 @@ An ``EndpointSource`` reports the set of replica base URLs whenever it changes;
 ``StaticEndpoints`` reports a fixed list once (``--upstream``). A Kubernetes EndpointSlice
 watcher would implement the same ``run`` (calling ``update`` on every change of the
 deployment's ready addresses). ``Pool`` holds the replicas' state: readiness (polled from
-``/ready``, and dropped at once on a refused connection), the load scraped from
-``/metrics`` (``kvscale:num_requests_running`` + ``num_requests_waiting``,
-``kvscale:kv_cache_usage_perc``) and the
-requests the router has in flight at each.
+``/ready``, and dropped at once on a refused connection), the requests the router has
+in flight at each, and the load scraped from ``/metrics``
+(``kvscale:num_requests_running`` + ``num_requests_waiting`` beyond those in flight
+from this router, ``kvscale:kv_cache_usage_perc``).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ class Replica:
     url: str
     ready: bool = False
     inflight: int = 0
-    reported: int = 0  # running + waiting, as last scraped
+    others: int = 0  # running + waiting it reported beyond our in-flight requests
     kv_usage: float = 0.0
     polled_at: float = 0.0
 
     def load(self) -> Load:
-        return Load(self.inflight, self.reported, self.kv_usage)
+        return Load(self.inflight, self.others, self.kv_usage)
 
 
 def parse_load(text: str) -> tuple[int, float]:
@@ -129,9 +129,12 @@ class Pool:
             resp = await client.get(f"{r.url}/ready", timeout=timeout)
             ok = resp.status_code == 200
             if ok:
+                mine = r.inflight
                 m = await client.get(f"{r.url}/metrics", timeout=timeout)
                 if m.status_code == 200:
-                    r.reported, r.kv_usage = parse_load(m.text)
+                    reported, r.kv_usage = parse_load(m.text)
+                    # ours may have finished or started meanwhile: subtract the larger
+                    r.others = max(0, reported - max(mine, r.inflight))
         except (httpx.HTTPError, ValueError):
             ok = False
         r.polled_at = time.monotonic()

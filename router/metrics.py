@@ -50,8 +50,8 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             PREFIX + "upstream_errors",
             "Failed attempts at a replica: connect (refused or reset before any response "
-            "byte; retried on another replica) and midstream (after bytes were sent; not "
-            "retried).",
+            "byte; retried on another replica), unavailable (a 503, e.g. draining; retried "
+            "elsewhere) and midstream (after bytes were sent; not retried).",
             ["replica", "kind"],
             registry=r,
         )

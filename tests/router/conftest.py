@@ -112,6 +112,7 @@ class Stub:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready = True
+        self.draining = False  # answer 503 to requests (while /ready may still say 200)
         self.hits = 0
         self._server = None
         self._thread: threading.Thread | None = None
@@ -125,6 +126,8 @@ class Stub:
             resp = JSONResponse({}, 200 if self.ready else 503)
         elif scope["path"] == "/metrics":
             resp = PlainTextResponse("")
+        elif self.draining:
+            resp = JSONResponse({"error": {"code": "draining"}}, 503)
         else:
             self.hits += 1
             resp = JSONResponse({"stub": self.port})

@@ -98,7 +98,7 @@ def test_bounded_load_skips_the_overloaded_home() -> None:
     c = choose("prefix", key, ring, loads)
     assert c is not None and (c.replica, c.reason) == (order[0], PREFIX_HIT)
     # the home carries 5 of 9: the bound is ceil(1.25 * 10 / 5) = 3, so it is skipped
-    loads[order[0]] = Load(inflight=3, reported=5)
+    loads[order[0]] = Load(inflight=3, others=2)
     assert load_bound(loads, 0.25) == 3
     c = choose("prefix", key, ring, loads, epsilon=0.25)
     assert c is not None and (c.replica, c.reason) == (order[1], LOAD_BOUND)
@@ -124,11 +124,26 @@ def test_the_chosen_replica_always_fits_the_bound() -> None:
         assert c is not None and c.load + 1 <= c.bound
 
 
+def test_parse_load_reads_the_servers_gauges() -> None:
+    from kvscale.router.endpoints import parse_load
+
+    text = (
+        "# TYPE kvscale:num_requests_running gauge\n"
+        'kvscale:num_requests_running{model_name="m"} 3.0\n'
+        "# TYPE kvscale:num_requests_waiting gauge\n"
+        'kvscale:num_requests_waiting{model_name="m"} 2.0\n'
+        "# TYPE kvscale:kv_cache_usage_perc gauge\n"
+        'kvscale:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    )
+    assert parse_load(text) == (5, 0.5)
+    assert parse_load("") == (0, 0.0)
+
+
 def test_short_prompts_and_least_loaded_go_to_the_least_loaded() -> None:
     ring = HashRing(REPLICAS)
     loads = {r: Load(inflight=3) for r in REPLICAS}
-    loads[REPLICAS[3]] = Load(inflight=2, reported=1)  # the scrape is older: 2
-    loads[REPLICAS[2]] = Load(inflight=0, reported=4)  # another router's requests
+    loads[REPLICAS[3]] = Load(inflight=1, others=1)
+    loads[REPLICAS[2]] = Load(inflight=0, others=4)  # other routers' requests
     key = prefix_key(list(range(10)), 16, 4)
     assert key is None
     c = choose("prefix", key, ring, loads)

@@ -80,7 +80,7 @@ def _bench(url: str, dataset: str, extra: list[str]) -> dict[str, Any]:
 
     argv = [
         "bench", "serve", "--base-url", url, "--dataset", dataset, "--output-len", "4",
-        "--max-concurrency", "4", "--seed", "5", "--result-file", "", "--disable-tqdm",
+        "--max-concurrency", "3", "--seed", "5", "--result-file", "", "--disable-tqdm",
         *extra,
     ]  # fmt: skip
     args: argparse.Namespace = build_parser().parse_args(argv)
@@ -141,7 +141,7 @@ def test_prefix_routing_hits_the_cache_more_than_random(cluster: dict[str, Any])
     m = cluster["prefix"].metrics()
     print({k: v for k, v in m.items() if "decisions_total" in k})
     assert pre["queries"] == rnd["queries"] > 0  # the same prompt tokens both times
-    assert pre["hit_rate"] > rnd["hit_rate"] + 0.15
+    assert pre["hit_rate"] > rnd["hit_rate"] + 0.12
     assert all(n > 0 for n in pre["per_server"])  # affinity, but every replica used
     # no replica above its load bound: every choice had (load + 1) / bound <= 1
     n = rmetric(m, "kvscale_router:decision_load_ratio_count")
@@ -177,6 +177,29 @@ def test_streaming_passes_through_intact(cluster: dict[str, Any]) -> None:
         assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
         assert sum(x.startswith("data: {") for x in lines) >= 12  # event by event, not one blob
         assert _sse_text(lines) == want and want
+
+
+def test_the_router_sees_the_prompt_tokens_the_server_runs(
+    cluster: dict[str, Any], llama_ckpt: Path
+) -> None:
+    """The routing key's token ids: the server's own tokenization (BOS) and chat rendering."""
+    from kvscale.router.prompt import PromptTokenizer
+
+    tok = PromptTokenizer(llama_ckpt)
+    server = cluster["servers"][1].url
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three rivers, " * 6},
+    ]
+    for path, body, tokenize_body in (
+        ("/v1/chat/completions", {"messages": msgs}, {"messages": msgs}),
+        ("/v1/completions", {"prompt": "Once upon a time"}, {"prompt": "Once upon a time"}),
+        ("/v1/completions", {"prompt": ["batch first", "second"]}, {"prompt": "batch first"}),
+    ):
+        want = httpx.post(server + "/tokenize", json=tokenize_body, timeout=30).json()["tokens"]
+        assert tok.token_ids(path, body) == want
+    assert tok.token_ids("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert tok.token_ids("/v1/chat/completions", {"messages": "not a list"}) is None
 
 
 def test_client_disconnect_aborts_upstream(cluster: dict[str, Any]) -> None:

@@ -66,6 +66,22 @@ def test_a_replica_not_ready_gets_nothing_new_and_rejoins(
     assert a.hits > a0  # back in the rotation (random policy, seeded)
 
 
+def test_a_503_is_retried_on_another_replica(router: RouterProcess, stubs: list[Stub]) -> None:
+    a, b = stubs
+    a.draining = True  # its /ready still says 200: the router learns it from the 503
+    try:
+        b0 = b.hits
+        for _ in range(6):
+            r = _complete(router)
+            assert r.status_code == 200 and r.json() == {"stub": b.port}
+        assert b.hits == b0 + 6
+        m = router.metrics()
+        assert rmetric(m, "kvscale_router:upstream_errors_total", kind="unavailable", replica=a.url)
+    finally:
+        a.draining = False
+    router.wait_replicas_ready(2)  # back at the next poll
+
+
 def test_no_replica_holds_then_503_with_retry_after(
     router: RouterProcess, stubs: list[Stub]
 ) -> None:
