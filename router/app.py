@@ -36,7 +36,7 @@ from kvscale.router.balance import (
 )
 from kvscale.router.endpoints import EndpointSource, Pool, Replica
 from kvscale.router.metrics import RouterMetrics
-from kvscale.router.prompt import PromptTokenizer, parse_body, request_salt
+from kvscale.router.prompt import PromptTokenizer, parse_body, prompt_token_ids, request_salt
 from kvscale.server.api.app import _authorized
 from kvscale.server.api.errors import error_response
 
@@ -201,12 +201,16 @@ class RouterApp:
             raise
 
     async def _routing_key(self, request: Request, body: bytes) -> bytes | None:
-        if self.s.policy != "prefix" or request.method != "POST" or self.tokenizer is None:
+        if self.s.policy != "prefix" or request.method != "POST":
             return None
         obj = parse_body(body)
         if obj is None:
             return None
-        ids = await asyncio.to_thread(self.tokenizer.token_ids, request.url.path, obj)
+        path = request.url.path
+        if self.tokenizer is None:  # token-id prompts only
+            ids = prompt_token_ids(path, obj, None)
+        else:
+            ids = await asyncio.to_thread(prompt_token_ids, path, obj, self.tokenizer)
         if not ids:
             return None
         salt = request_salt(obj, request, self.s.prefix_cache_salt_per_key)

@@ -29,26 +29,37 @@ class PromptTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids (the first prompt of a batch), or None when the body is
-        not one the server would run (the server answers it; any replica will do)."""
-        if path.endswith("/chat/completions"):
+        return prompt_token_ids(path, body, self)
+
+
+def prompt_token_ids(
+    path: str, body: dict[str, Any], tok: PromptTokenizer | None
+) -> list[int] | None:
+    """The prompt's token ids (the first prompt of a batch), or None when the body is not
+    one the server would run (the server answers it; any replica will do) or, without a
+    tokenizer ``tok``, when the prompt is text."""
+    if path.endswith("/chat/completions"):
+        if tok is None:
+            return None
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+            return render_prompt(tok, req, tok.chat_template, req.tools or None)  # type: ignore[arg-type]
+        except Exception:
+            return None
+    if path.endswith("/completions"):
+        p = body.get("prompt")
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            p = p[0]  # a batch: route by its first prompt
+        if isinstance(p, str):
+            if tok is None:
+                return None
             try:
-                req = ChatCompletionRequest.model_validate(body)
-                return render_prompt(self, req, self.chat_template, req.tools or None)  # type: ignore[arg-type]
+                return tok.tokenize(p)
             except Exception:
                 return None
-        if path.endswith("/completions"):
-            p = body.get("prompt")
-            if isinstance(p, list) and p and not isinstance(p[0], int):
-                p = p[0]  # a batch: route by its first prompt
-            if isinstance(p, str):
-                try:
-                    return self.tokenize(p)
-                except Exception:
-                    return None
-            if isinstance(p, list) and p and all(type(t) is int for t in p):
-                return p
-        return None
+        if isinstance(p, list) and p and all(type(t) is int for t in p):
+            return p
+    return None
 
 
 def parse_body(raw: bytes) -> dict[str, Any] | None:

@@ -183,7 +183,7 @@ def test_the_router_sees_the_prompt_tokens_the_server_runs(
     cluster: dict[str, Any], llama_ckpt: Path
 ) -> None:
     """The routing key's token ids: the server's own tokenization (BOS) and chat rendering."""
-    from kvscale.router.prompt import PromptTokenizer
+    from kvscale.router.prompt import PromptTokenizer, prompt_token_ids
 
     tok = PromptTokenizer(llama_ckpt)
     server = cluster["servers"][1].url
@@ -200,6 +200,9 @@ def test_the_router_sees_the_prompt_tokens_the_server_runs(
         assert tok.token_ids(path, body) == want
     assert tok.token_ids("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]
     assert tok.token_ids("/v1/chat/completions", {"messages": "not a list"}) is None
+    # without a tokenizer: token-id prompts only
+    assert prompt_token_ids("/v1/completions", {"prompt": [[5, 6], [7]]}, None) == [5, 6]
+    assert prompt_token_ids("/v1/completions", {"prompt": "text"}, None) is None
 
 
 def test_client_disconnect_aborts_upstream(cluster: dict[str, Any]) -> None:
@@ -296,6 +299,9 @@ def test_killed_replica_costs_no_request_that_had_not_started(cluster: dict[str,
     m = router.metrics()
     assert rmetric(m, "kvscale_router:upstream_errors_total", kind="connect", replica=victim.url)
     assert rmetric(m, "kvscale_router:retries_total") >= 1
+    # they went to the victim as its prefixes (its streams' failures made it the least
+    # loaded too: the key, not that, must have chosen it)
+    assert rmetric(m, "kvscale_router:routing_decisions_total", reason="prefix_hit") >= 9
     assert (
         rmetric(m, "kvscale_router:upstream_errors_total", kind="midstream", replica=victim.url)
         == 2
