@@ -15,6 +15,8 @@ import pytest
 from .conftest import RouterProcess, Stub, rmetric
 
 HOLD_TIMEOUT_S = 3.0
+KEY = "k3y"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def router(stubs: list[Stub], start_router: Callable[..., RouterProcess]) -> Rou
     r = start_router(
         [s.url for s in stubs],
         "--policy", "random", "--seed", "0", "--scrape-interval", "0.1",
-        "--hold-timeout", str(HOLD_TIMEOUT_S), "--hold-queue-size", "4",
+        "--hold-timeout", str(HOLD_TIMEOUT_S), "--hold-queue-size", "4", "--api-key", KEY,
     )  # fmt: skip
     r.wait_replicas_ready(2)
     return r
@@ -40,7 +42,10 @@ def router(stubs: list[Stub], start_router: Callable[..., RouterProcess]) -> Rou
 
 def _complete(router: RouterProcess, timeout: float = 30) -> httpx.Response:
     return httpx.post(
-        f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=timeout
+        f"{router.url}/v1/completions",
+        json={"model": "tiny", "prompt": "hi"},
+        headers=AUTH,
+        timeout=timeout,
     )
 
 
@@ -120,20 +125,14 @@ def test_no_replica_holds_then_503_with_retry_after(
     router.wait_replicas_ready(2)
 
 
-def test_api_key_is_checked_at_the_router(
-    stubs: list[Stub], start_router: Callable[..., RouterProcess]
-) -> None:
-    r = start_router([stubs[0].url], "--policy", "least-loaded", "--api-key", "k3y")
-    r.wait_replicas_ready(1)
-    hits = stubs[0].hits
-    bad = httpx.post(f"{r.url}/v1/completions", json={"prompt": "x"}, timeout=10)
-    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
-    assert stubs[0].hits == hits  # never reached the replica
-    ok = httpx.post(
-        f"{r.url}/v1/completions",
-        json={"prompt": "x"},
-        headers={"Authorization": "Bearer k3y"},
-        timeout=10,
-    )
-    assert ok.status_code == 200 and stubs[0].hits == hits + 1
-    assert httpx.get(f"{r.url}/health", timeout=5).status_code == 200  # no key needed
+def test_api_key_is_checked_at_the_router(router: RouterProcess, stubs: list[Stub]) -> None:
+    hits = sum(s.hits for s in stubs)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        bad = httpx.post(f"{router.url}/v1/completions", json={}, headers=headers, timeout=10)
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+        assert bad.headers["www-authenticate"] == "Bearer"
+    assert sum(s.hits for s in stubs) == hits  # never reached a replica
+    assert _complete(router).status_code == 200  # the key is passed on (stubs ignore it)
+    assert sum(s.hits for s in stubs) == hits + 1
+    for path in ("/health", "/ready", "/metrics"):  # no key needed
+        assert httpx.get(f"{router.url}{path}", timeout=5).status_code == 200
