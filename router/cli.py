@@ -19,12 +19,29 @@ prompts shorter than one block go to the least-loaded replica.
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = " (default: %(default)s)"
-    p.add_argument(
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
         "--upstream",
         nargs="+",
-        required=True,
         metavar="URL",
         help="replica base URLs, e.g. http://10.0.0.5:8000 (a fixed list)",
+    )
+    src.add_argument(
+        "--endpoint-slices",
+        metavar="NAMESPACE/SERVICE",
+        help="the replicas are the ready endpoints of this Service's EndpointSlices "
+        "(in-cluster credentials, else the kubeconfig)",
+    )
+    p.add_argument(
+        "--endpoint-port",
+        default=None,
+        help="with --endpoint-slices: the port number or name (default: the slice's first)",
+    )
+    p.add_argument(
+        "--endpoints-interval",
+        type=float,
+        default=2.0,
+        help="with --endpoint-slices: seconds between lists" + d,
     )
     p.add_argument(
         "--policy",
@@ -112,7 +129,9 @@ def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def
         raise ValueError(f"--load-epsilon must be >= 0, got {args.load_epsilon}")
     if not args.scrape_interval > 0 or args.hold_timeout < 0 or args.hold_queue_size < 0:
         raise ValueError("--scrape-interval must be > 0; --hold-* must be >= 0")
-    for u in args.upstream:
+    if args.endpoint_slices is not None and args.endpoint_slices.count("/") != 1:
+        raise ValueError(f"--endpoint-slices takes NAMESPACE/SERVICE, got {args.endpoint_slices!r}")
+    for u in args.upstream or ():
         if not u.startswith(("http://", "https://")):
             raise ValueError(f"--upstream takes http:// or https:// URLs, got {u!r}")
     return RouterSettings(
@@ -135,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvscale.router.app import RouterApp
-    from kvscale.router.endpoints import StaticEndpoints
+    from kvscale.router.endpoints import EndpointSource, StaticEndpoints
     from kvscale.router.prompt import PromptTokenizer
 
     settings = settings_from_args(args)
@@ -152,7 +171,16 @@ def run(args: argparse.Namespace) -> int:
                 "no --tokenizer: only token-id prompts get prefix affinity, text and chat "
                 "requests go to the least-loaded replica"
             )
-    app = RouterApp(settings, StaticEndpoints(args.upstream), tokenizer)
+    if args.upstream:
+        source: EndpointSource = StaticEndpoints(args.upstream)
+    else:
+        from kvscale.router.kube import EndpointSliceSource, parse_port
+
+        ns, svc = args.endpoint_slices.split("/")
+        source = EndpointSliceSource(
+            ns, svc, parse_port(args.endpoint_port), args.endpoints_interval
+        )
+    app = RouterApp(settings, source, tokenizer)
     uvicorn.run(
         app,
         host=args.host,
