@@ -80,6 +80,7 @@ class RouterSettings:
     hold_queue_size: int = 256  # requests held at most while no replica is ready
     hold_timeout: float = 30.0  # seconds a request may be held
     retry_after: int = 1  # the 503's Retry-After (seconds)
+    max_body_bytes: int = 64 << 20  # larger request bodies get 413 (0: no limit)
     api_key: str | None = None
     prefix_cache_salt_per_key: bool = False
     seed: int | None = None  # of the random policy (tests)
@@ -178,9 +179,8 @@ class RouterApp:
             await resp(scope, receive, send)
             return
         request = Request(scope, receive)
-        try:
-            body = await request.body()
-        except Exception:  # the client went away while sending
+        body = await self._read_body(request, scope, send)
+        if body is None:
             return
         routing_key = await self._routing_key(request, body)
         # The client's disconnect (the only message left to receive) cancels the exchange.
@@ -199,6 +199,33 @@ class RouterApp:
             if not watch.cancelled():
                 return  # the client disconnected: counted by _exchange
             raise
+
+    async def _read_body(self, request: Request, scope: Scope, send: Send) -> bytes | None:
+        """The whole body, or None after answering 413 (over ``max_body_bytes``) or when
+        the client went away while sending it."""
+        limit = self.s.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = bool(limit and declared.isdigit() and int(declared) > limit)
+        buf = bytearray()
+        if not too_large:
+            try:
+                async for chunk in request.stream():
+                    buf += chunk
+                    if limit and len(buf) > limit:
+                        too_large = True
+                        break
+            except Exception:  # the client went away while sending
+                return None
+        if too_large:
+            resp = error_response(
+                413,
+                f"the request body is larger than {limit} bytes",
+                code="request_too_large",
+                headers={"Connection": "close"},
+            )
+            await resp(scope, _no_receive, send)
+            return None
+        return bytes(buf)
 
     async def _routing_key(self, request: Request, body: bytes) -> bytes | None:
         if self.s.policy != "prefix" or request.method != "POST":

@@ -109,6 +109,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="as on the servers: the routing key includes the bearer token's digest",
     )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=64 << 20,
+        help="answer 413 to larger request bodies (0: no limit)" + d,
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let requests in flight finish" + d,
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on" + d)
     p.add_argument("--port", type=int, default=8080, help="port to listen on" + d)
     p.add_argument(
@@ -129,6 +141,8 @@ def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def
         raise ValueError(f"--load-epsilon must be >= 0, got {args.load_epsilon}")
     if not args.scrape_interval > 0 or args.hold_timeout < 0 or args.hold_queue_size < 0:
         raise ValueError("--scrape-interval must be > 0; --hold-* must be >= 0")
+    if args.max_request_body_bytes < 0 or args.drain_timeout < 0:
+        raise ValueError("--max-request-body-bytes and --drain-timeout must be >= 0")
     if args.endpoint_slices is not None and args.endpoint_slices.count("/") != 1:
         raise ValueError(f"--endpoint-slices takes NAMESPACE/SERVICE, got {args.endpoint_slices!r}")
     for u in args.upstream or ():
@@ -147,6 +161,7 @@ def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def
         api_key=args.api_key or os.environ.get("KVSCALE_API_KEY") or None,
         prefix_cache_salt_per_key=args.prefix_cache_salt_per_key,
         seed=args.seed,
+        max_body_bytes=args.max_request_body_bytes,
     )
 
 
@@ -187,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
     )
     return 0
 

@@ -35,6 +35,7 @@ def router(stubs: list[Stub], start_router: Callable[..., RouterProcess]) -> Rou
         [s.url for s in stubs],
         "--policy", "random", "--seed", "0", "--scrape-interval", "0.1",
         "--hold-timeout", str(HOLD_TIMEOUT_S), "--hold-queue-size", "4", "--api-key", KEY,
+        "--max-request-body-bytes", "1000",
     )  # fmt: skip
     r.wait_replicas_ready(2)
     return r
@@ -136,3 +137,22 @@ def test_api_key_is_checked_at_the_router(router: RouterProcess, stubs: list[Stu
     assert sum(s.hits for s in stubs) == hits + 1
     for path in ("/health", "/ready", "/metrics"):  # no key needed
         assert httpx.get(f"{router.url}{path}", timeout=5).status_code == 200
+
+
+def test_a_body_over_the_limit_gets_413(router: RouterProcess, stubs: list[Stub]) -> None:
+    hits = sum(s.hits for s in stubs)
+    url = f"{router.url}/v1/completions"
+    big = {"model": "tiny", "prompt": "x" * 2000}
+    r = httpx.post(url, json=big, headers=AUTH, timeout=10)  # Content-Length says so
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: chunked, counted while read
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 100
+        yield b'"}'
+
+    r = httpx.post(url, content=chunks(), headers=AUTH, timeout=10)
+    assert r.status_code == 413
+    assert sum(s.hits for s in stubs) == hits
+    assert _complete(router).status_code == 200  # small bodies pass
