@@ -1,13 +1,19 @@
 """Maps the top-level folders onto one distribution's subpackages.
 
 ``server/`` -> ``kvscale.server``, ``kernels/`` -> ``kvscale.kernels``,
-``operator/`` -> ``kvscale.operator``; nothing is importable as a top-level
-``server``, ``kernels`` or ``operator`` (the last would shadow the stdlib).
+``operator/`` -> ``kvscale.operator``, ``router/`` -> ``kvscale.router``; nothing is
+importable as a top-level ``server``, ``kernels``, ``operator`` or ``router`` (operator
+would shadow the stdlib).
 """
 
 from setuptools import find_packages, setup
 
-SUBPACKAGES = {"server": "server", "kernels": "kernels", "operator": "operator"}
+SUBPACKAGES = {
+    "server": "server",
+    "kernels": "kernels",
+    "operator": "operator",
+    "router": "router",
+}
 
 packages = ["kvscale"]
 package_dir = {"kvscale": "kvscale"}

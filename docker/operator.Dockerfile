@@ -16,9 +16,10 @@ RUN pip install --no-deps -r /tmp/requirements.txt setuptools==84.2.1 wheel==0.4
 COPY pyproject.toml setup.py README.md /src/
 COPY kvscale /src/kvscale
 COPY operator /src/operator
-# setup.py maps server/ and kernels/ too: empty stand-ins, their code stays out of this image.
-RUN mkdir -p /src/server /src/kernels \
-    && touch /src/server/__init__.py /src/kernels/__init__.py \
+# setup.py maps server/, kernels/ and router/ too: empty stand-ins, their code stays out
+# of this image.
+RUN mkdir -p /src/server /src/kernels /src/router \
+    && touch /src/server/__init__.py /src/kernels/__init__.py /src/router/__init__.py \
     && pip install --no-deps --no-build-isolation /src \
     && pip uninstall -y setuptools wheel
 

@@ -24,6 +24,7 @@ COPY kvscale /src/kvscale
 COPY server /src/server
 COPY kernels /src/kernels
 COPY operator /src/operator
+COPY router /src/router
 RUN pip install -c /tmp/constraints.txt "/src[demo,serve]"
 
 FROM ${PYTHON_IMAGE}

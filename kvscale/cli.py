@@ -1,8 +1,9 @@
 """Command line.
 
-``kvscale serve``: the OpenAI-compatible HTTP server. ``kvscale bench serve``: a load
-generator against such a server. ``kvscale generate``: offline generation.
-``kvscale serve-draft``: a draft model for speculative decoding, served on a Unix socket.
+``kvscale serve``: the OpenAI-compatible HTTP server. ``kvscale route``: a prefix-aware
+proxy in front of several servers. ``kvscale bench serve``: a load generator against such
+a server. ``kvscale generate``: offline generation. ``kvscale serve-draft``: a draft model
+for speculative decoding, served on a Unix socket.
 """
 
 from __future__ import annotations
@@ -173,6 +174,12 @@ def _add_serve_draft_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _route(args: argparse.Namespace) -> int:
+    from kvscale.router.cli import run
+
+    return run(args)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from kvscale.bench_serve import main
 
@@ -308,6 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_draft_arguments(draft)
     draft.set_defaults(func=_serve_draft)
+
+    from kvscale.router.cli import EPILOG as ROUTE_EPILOG
+    from kvscale.router.cli import add_arguments as add_route_arguments
+
+    route = sub.add_parser(
+        "route",
+        allow_abbrev=False,
+        help="run the prefix-aware router in front of several servers",
+        description="An OpenAI-compatible reverse proxy that sends each request to one of "
+        "--upstream's ready replicas (prefix affinity with bounded loads by default).",
+        epilog=ROUTE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_route_arguments(route)
+    route.set_defaults(func=_route)
 
     bench = sub.add_parser("bench", help="benchmarks (kvscale bench serve --help)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
