@@ -268,3 +268,17 @@ def test_from_model_path_checks_the_tokenizer(llama_ckpt: Path, tmp_path: Path) 
     with pytest.raises(ValueError, match="tokenizer differs") as e:
         DraftRunner.from_model_path(str(other), target, k=2)
     assert str(other) in str(e.value) and str(llama_ckpt) in str(e.value)
+
+
+def test_held_prefix_len_trusts_accepted_tokens_and_checks_replacement() -> None:
+    from kvscale.server.spec_decode.prefix import common_prefix_len, held_prefix_len
+
+    held = [1, 2, 3, 4, 9, 9]  # 4 accepted tokens sent before, then 2 drafts
+    assert held_prefix_len(held, [1, 2, 3, 4, 9, 7, 5], 4) == 5  # one draft accepted
+    assert held_prefix_len(held, [1, 2, 3, 4, 8], 4) == 4  # none
+    assert held_prefix_len(held, [1, 2, 3, 4, 9, 9, 6], 4) == 6  # both
+    # a replaced sequence (its last sent token differs) is compared in full
+    assert held_prefix_len(held, [1, 2, 7, 5, 9], 4) == 2
+    assert held_prefix_len(held, [1, 2], 4) == 2
+    assert held_prefix_len([], [1, 2], 0) == 0
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2

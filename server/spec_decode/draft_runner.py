@@ -37,7 +37,7 @@ import torch
 from kvscale.server.config import EngineConfig, ModelConfig, ResolvedConfig
 from kvscale.server.engine.block_manager import BlockManager
 from kvscale.server.layers.sampler import row_seed
-from kvscale.server.spec_decode.prefix import as_token_list, common_prefix_len
+from kvscale.server.spec_decode.prefix import as_token_list, held_prefix_len
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 from kvscale.server.spec_decode.tokenizer_check import check_same_tokenizer
 from kvscale.server.worker.step import StepInput
@@ -282,14 +282,18 @@ class DraftRunner:
                 continue
             if seq is None:
                 seq = self._seqs[r.seq_id] = _Seq([], 0, [], 0, self._calls)
-            keep = min(common_prefix_len(seq.tokens, tokens, seq.base), seq.computed, n - 1)
+            same = held_prefix_len(seq.tokens, tokens, seq.base)
+            keep = min(same, seq.computed, n - 1)
             fed = tokens[keep:]
             if min(fed) < 0 or max(fed) >= self.config.model.vocab_size:
                 self._warn_once("ids", "draft: a request holds token ids outside the vocabulary")
                 self.release([r.seq_id])
                 continue
             self.block_manager.truncate(seq.table, keep)
-            seq.tokens, seq.base, seq.computed, seq.last_used = tokens, n, keep, self._calls
+            # its own list, updated in place: O(new tokens), never the caller's list
+            del seq.tokens[same:]
+            seq.tokens.extend(tokens[same:])
+            seq.base, seq.computed, seq.last_used = n, keep, self._calls
             k = self._fit(seq, n, k, in_batch)
             if k < 1:
                 self._warn_once("full", "draft: the KV pool is full; some sequences get no drafts")
@@ -356,7 +360,7 @@ class DraftRunner:
                 out.q_ids[r.row, : r.k] = q_ids[i, : r.k]
                 out.q_probs[r.row, : r.k] = q_probs[i, : r.k]
             seq = r.seq
-            seq.tokens = seq.tokens + drafts.tolist()
+            seq.tokens.extend(drafts.tolist())
             seq.computed = r.n + r.k - 1
         return out
 

@@ -45,7 +45,7 @@ from kvscale.server.spec_decode.draft_protocol import (
     encode_release,
     frame_length,
 )
-from kvscale.server.spec_decode.prefix import as_token_list, common_prefix_len
+from kvscale.server.spec_decode.prefix import as_token_list, held_prefix_len
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 
 log = logging.getLogger(__name__)
@@ -118,21 +118,25 @@ class _Session:
 
     def propose(self, frame: ProposeFrame) -> bytes:
         reqs = []
-        for u in frame.updates():
-            prev = self.held.get(u.seq_id, [])
-            if u.keep > len(prev):
+        updates = list(frame.updates())
+        for u in updates:  # checked before anything is changed
+            held = len(self.held.get(u.seq_id, ()))
+            if u.keep > held:
                 raise ProtocolError(
-                    f"seq {u.seq_id}: keep={u.keep} but the server holds {len(prev)} tokens"
+                    f"seq {u.seq_id}: keep={u.keep} but the server holds {held} tokens"
                 )
-            tokens = prev[: u.keep] + list(u.new_tokens)
+        for u in updates:  # each list updated in place: O(new tokens) a sequence
+            tokens = self.held.setdefault(u.seq_id, [])
+            del tokens[u.keep :]
+            tokens.extend(u.new_tokens)
             reqs.append(DraftRequest(u.seq_id, tokens, u.k, u.temperature, u.seed))
         t0 = time.perf_counter()
         p = self.runner.propose(reqs)
         compute = time.perf_counter() - t0
         for i, r in enumerate(reqs):
             n = int(p.num_tokens[i])
-            drafts = p.tokens[i, :n].tolist() if n else []
-            self.held[r.seq_id] = list(r.token_ids) + drafts
+            if n:
+                r.token_ids.extend(p.tokens[i, :n].tolist())  # type: ignore[attr-defined]
         return encode_proposal(p, compute)
 
     def release(self, frame: ReleaseFrame) -> None:
@@ -397,13 +401,14 @@ class SidecarProposer:
         self, requests: list[DraftRequest], b: int, kmax: int, t0: float, deadline: float
     ) -> Proposal:
         assert self._sock is not None
-        updates, tokens = [], []
+        updates, sent = [], []
         for r in requests:
             toks = as_token_list(r.token_ids)
             held = self._held.get(r.seq_id, [])
-            keep = common_prefix_len(held, toks, self._base.get(r.seq_id, 0))
-            updates.append(SeqUpdate(r.seq_id, keep, toks[keep:], r.k, r.temperature, r.seed))
-            tokens.append(toks)
+            keep = held_prefix_len(held, toks, self._base.get(r.seq_id, 0))
+            new = toks[keep:]
+            updates.append(SeqUpdate(r.seq_id, keep, new, r.k, r.temperature, r.seed))
+            sent.append((keep, new, len(toks)))
         data = encode_propose(updates)
         if self._release_queue:
             data = encode_release(self._release_queue) + data
@@ -416,10 +421,15 @@ class SidecarProposer:
             raise ProtocolError(f"expected PROPOSAL, got {type(reply).__name__}")
         p = reply.proposal
         valid = self._check(p, requests, b, kmax)
-        for i, r in enumerate(requests):  # what the sidecar now holds
+        for i, r in enumerate(requests):  # what the sidecar now holds, updated in place
+            keep, new, length = sent[i]
+            held = self._held.setdefault(r.seq_id, [])
+            del held[keep:]
+            held.extend(new)
             n = int(p.num_tokens[i])
-            self._held[r.seq_id] = tokens[i] + (p.tokens[i, :n].tolist() if n else [])
-            self._base[r.seq_id] = len(tokens[i])
+            if n:
+                held.extend(p.tokens[i, :n].tolist())
+            self._base[r.seq_id] = length
         self._drop_rows_past_vocab(p, valid)
         self.last_round_trip_s = time.monotonic() - t0
         self.last_server_s = reply.compute_s

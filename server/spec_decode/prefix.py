@@ -32,3 +32,21 @@ def common_prefix_len(a: list[int], b: list[int], hint: int = 0) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def held_prefix_len(held: list[int], tokens: list[int], base: int) -> int:
+    """How many leading tokens of ``held`` (what a proposer holds for a sequence: the
+    caller's accepted tokens up to ``base``, then its own drafts) agree with ``tokens``
+    (the caller's accepted tokens now). Accepted tokens are final (the ``Proposer``
+    contract), so the first ``base`` agree unless the sequence was replaced, which its
+    last one is checked for (then everything is compared): the cost is that of the
+    drafts, not of the sequence. A contract broken further back costs acceptance only:
+    verification is exact whatever is drafted."""
+    n = min(len(held), len(tokens))
+    h = min(base, n)
+    if h and held[h - 1] != tokens[h - 1]:
+        return common_prefix_len(held, tokens)
+    i = h
+    while i < n and held[i] == tokens[i]:
+        i += 1
+    return i
