@@ -20,7 +20,10 @@ class DraftRequest:
     """One sequence to draft for."""
 
     seq_id: int
-    token_ids: Sequence[int]  # its accepted tokens: prompt + output (no placeholders)
+    # its accepted tokens: prompt + output (no placeholders). Accepted tokens are final:
+    # between calls a sequence's list only grows (release a seq_id before reusing it),
+    # which lets proposers update their state in O(new tokens)
+    token_ids: Sequence[int]
     k: int  # drafts wanted, >= 1
     temperature: float = 0.0  # 0: greedy (a draft model proposes its argmax)
     seed: int | None = None  # a seeded request: the draft's sampling is seeded too
