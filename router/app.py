@@ -38,7 +38,7 @@ from kvscale.router.endpoints import EndpointSource, Pool, Replica
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.prompt import PromptTokenizer, parse_body, prompt_token_ids, request_salt
 from kvscale.server.api.app import _authorized
-from kvscale.server.api.errors import error_response
+from kvscale.server.api.errors import error_response, unauthorized_response
 
 log = logging.getLogger("kvscale.router")
 
@@ -170,12 +170,7 @@ class RouterApp:
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.s.api_key
         if key and scope["path"].startswith("/v1") and not _authorized(scope, key):
-            resp = error_response(
-                401,
-                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            resp = unauthorized_response()
             await resp(scope, receive, send)
             return
         request = Request(scope, receive)

@@ -24,7 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvscale import __version__
-from kvscale.server.api.errors import APIError, error_response, install_error_handlers
+from kvscale.server.api.errors import (
+    APIError,
+    error_response,
+    install_error_handlers,
+    unauthorized_response,
+)
 from kvscale.server.api.http_limits import BodyLimit
 from kvscale.server.api.lifecycle import Lifecycle
 from kvscale.server.api.metrics import ServerMetrics
@@ -79,12 +84,7 @@ class Gate:
             await resp(scope, receive, send)
             return
         if key and not _authorized(scope, key):
-            resp = error_response(
-                401,
-                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            resp = unauthorized_response()
             await resp(scope, receive, send)
             return
         lc.inflight += 1

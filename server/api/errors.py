@@ -94,6 +94,16 @@ def error_response(
     return SafeJSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
+def unauthorized_response() -> Any:
+    """401 for a missing or wrong API key (the server's and the router's)."""
+    return error_response(
+        401,
+        "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
 def sse_error(message: str, status: int = 500, code: str | None = None) -> str:
     """An error event for a stream that already started (then ``data: [DONE]``)."""
     return f"data: {dumps(error_body(status, message, None, code))}\n\n"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,61 +9,21 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import free_port, server_env
+from tests.server.conftest import KvscaleProcess, free_port
 from tests.server.conftest import start_server as start_server  # the fixture, for these tests
 
 ROUTER_START_TIMEOUT_S = 90.0
 
 
-class RouterProcess:
+class RouterProcess(KvscaleProcess):
     """One ``kvscale route`` process on a free loopback port."""
 
     def __init__(self, upstreams: list[str], args: list[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [
-            sys.executable, "-m", "kvscale.cli", "route", "--upstream", *upstreams,
-            "--host", "127.0.0.1", "--port", str(self.port), *args,
-        ]  # fmt: skip
-        self._log = open(log_path, "w")  # closed in stop()
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env()
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        super().__init__(["route", "--upstream", *upstreams, *args], log_path)
 
     def wait_up(self, timeout: float = ROUTER_START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"router not up after {timeout}s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
-
-    def metrics(self) -> dict[str, float]:
-        """``name{labels}`` -> value (labels sorted), every sample."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}"] = s.value
-        return out
+        self.wait_http("/health", timeout)
 
     def wait_replicas_ready(self, n: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -30,37 +30,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """One ``kvscale serve`` process; its combined output goes to ``log_path``."""
+class KvscaleProcess:
+    """One ``python -m kvscale.cli COMMAND ...`` process on a free loopback port; its
+    combined output goes to ``log_path``."""
 
-    def __init__(self, model: Path, args: list[str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [
-            sys.executable, "-m", "kvscale.cli", "serve",
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-            "--device", "cpu", "--served-model-name", "tiny", *args,
-        ]  # fmt: skip
-        env = server_env()
+        cmd = [sys.executable, "-m", "kvscale.cli", *argv, "--host", "127.0.0.1",
+               "--port", str(self.port)]  # fmt: skip
         self._log = open(log_path, "w")  # closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env()
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+    def wait_http(self, path: str, timeout: float) -> None:
+        """Until ``GET path`` answers 200; RuntimeError if the process exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(
+                    f"{self.proc.args[3]} exited with {self.proc.returncode}:\n{self.log()}"
+                )
             try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{path}", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+        raise TimeoutError(f"{path} not 200 after {timeout}s:\n{self.log()}")
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
@@ -83,6 +85,18 @@ class ServerProcess:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}"] = s.value
         return out
+
+
+class ServerProcess(KvscaleProcess):
+    """One ``kvscale serve`` process on the CPU."""
+
+    def __init__(self, model: Path, args: list[str], log_path: Path) -> None:
+        argv = ["serve", "--model", str(model), *args, "--device", "cpu",
+                "--served-model-name", "tiny"]  # fmt: skip
+        super().__init__(argv, log_path)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        self.wait_http("/ready", timeout)
 
 
 @pytest.fixture(scope="module")
