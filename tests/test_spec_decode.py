@@ -211,3 +211,17 @@ def test_inprocess_draft_sampling_is_reproducible(llama_ckpt: Path) -> None:
     s = llm.engine.stats()
     # p == q up to rounding: accept with probability min(1, p/q) = 1
     assert s.spec_num_accepted_tokens >= 0.95 * s.spec_num_draft_tokens
+
+
+def test_switching_between_speculative_and_pipelined_steps(echo_ckpt: Path) -> None:
+    """Sequences come and go around the batch-size switch, with a token budget that leaves
+    some drafted sequences unscheduled: greedy tokens stay those of no speculation."""
+    prompts = _prompts()
+    params = [
+        SamplingParams(temperature=0, max_tokens=20 + 3 * i, ignore_eos=True) for i in range(10)
+    ]
+    base = _run_checked(LLM(str(echo_ckpt), **TIGHT), prompts, params)
+    llm = LLM(str(echo_ckpt), **TIGHT, **{**NGRAM, "speculative_disable_by_batch_size": 4})
+    spec = _run_checked(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    assert llm.engine.stats().spec_num_drafts > 0

@@ -266,6 +266,10 @@ class EngineCore:
             self._admit_compiled()
         spec.draft(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
+        scheduled = set(map(id, batch.seqs))
+        for seq in self.scheduler.running:  # drafted, then left out by the token budget:
+            if seq.draft_tokens and id(seq) not in scheduled:  # no stale drafts for a later
+                seq.draft_tokens, seq.draft_q = [], None  # (maybe pipelined) step
         if batch.seqs:
             launched, early = self._launch(batch, None)
             updates += early or []
