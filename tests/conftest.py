@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import tempfile
@@ -16,11 +17,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Inductor's default cache (/tmp/torchinductor_$USER) is shared by every torch on the
-# machine, and C++ kernels built against another torch's headers fail to compile: one
-# cache per torch version.
+# machine, and C++ kernels built against another torch's headers fail to compile ("at::vec
+# has not been declared": a precompiled header of another, or a removed, environment):
+# one cache per torch version and environment.
+_ENV = hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR",
-    os.path.join(tempfile.gettempdir(), f"torchinductor-kvscale-{version('torch')}"),
+    os.path.join(tempfile.gettempdir(), f"torchinductor-kvscale-{version('torch')}-{_ENV}"),
 )
 
 
