@@ -144,11 +144,9 @@ def _subtract(s: EngineStats, base: EngineStats | None) -> EngineStats:
         spec_num_drafts=s.spec_num_drafts - base.spec_num_drafts,
         spec_num_draft_tokens=s.spec_num_draft_tokens - base.spec_num_draft_tokens,
         spec_num_accepted_tokens=s.spec_num_accepted_tokens - base.spec_num_accepted_tokens,
+        # one engine: the same length (k) in both snapshots, or empty without speculation
         spec_accepted_per_pos=[
-            a - b
-            for a, b in zip(
-                s.spec_accepted_per_pos, base.spec_accepted_per_pos or [0] * 16, strict=False
-            )
+            a - b for a, b in zip(s.spec_accepted_per_pos, base.spec_accepted_per_pos, strict=False)
         ],
         spec_draft_failures=s.spec_draft_failures - base.spec_draft_failures,
     )
