@@ -347,7 +347,10 @@ class RouterApp:
                 await resp.aclose()
             return True
         except asyncio.CancelledError:
-            outcome = "client_disconnect"
+            # The client may close as soon as it has the last byte, while aclose() runs:
+            # a response relayed in full keeps its status outcome.
+            if outcome == "upstream_error":
+                outcome = "client_disconnect"
             raise
         finally:
             replica.inflight -= 1
