@@ -34,7 +34,15 @@ from kvscale.operator.config import OperatorConfig
 from kvscale.operator.kube import DEPLOYMENTS, PODS, ApiError, KubeClient
 from kvscale.operator.leader import LeaseLock
 from kvscale.operator.reconcile import LLMDEPLOYMENTS, Conflict, now_iso, reconcile
-from kvscale.operator.scaling import Decision, History, PodSample, Policy, decide
+from kvscale.operator.scaling import (
+    Decision,
+    History,
+    PodSample,
+    Policy,
+    RouterActivity,
+    decide,
+    zero_decision,
+)
 from kvscale.operator.spec import AutoscalingSpec, SpecError, parse_spec
 from kvscale.operator.status import condition, set_condition
 
@@ -42,6 +50,7 @@ Obj = dict[str, Any]
 Event = tuple[str, str, str]  # (type, reason, message)
 VALID = "ValidMetricFound"  # ScalingActive's reason while metrics flow (as the HPA's)
 NO_READY_PODS = "NoReadyPods"  # False, but expected while pods start: no Warning event
+ROUTER_UNAVAILABLE = "RouterMetricsUnavailable"  # scale from zero cannot see held requests
 
 
 @dataclass
@@ -77,8 +86,10 @@ def lease_duration(interval_s: float) -> int:
 
 
 def policy_for(auto: AutoscalingSpec, interval_s: float) -> Policy:
+    """The HPA-like decision's policy; with minReplicas 0 its floor is 1 (only
+    :func:`~kvscale.operator.scaling.zero_decision` goes to or from 0)."""
     return Policy(
-        min_replicas=auto.min_replicas,
+        min_replicas=max(1, auto.min_replicas),
         max_replicas=auto.max_replicas,
         target_kv_usage=auto.target_kv_cache_utilization_percent / 100,
         target_queue_depth=float(auto.target_queue_depth_per_replica),
@@ -111,6 +122,36 @@ async def read_samples(
     return podmetrics.samples_from_rows(rows, names)
 
 
+async def read_router_activity(
+    http: aiohttp.ClientSession,
+    prometheus_url: str | None,
+    namespace: str,
+    pods: list[Mapping[str, Any]],
+    max_age_s: float,
+    timeout_s: float,
+    now: float,
+) -> RouterActivity:
+    """The ready router pods' held and in-flight requests and newest request time; raises
+    :class:`podmetrics.MetricsError` when none can be read."""
+    names = [p["metadata"]["name"] for p in pods]
+    if not names:
+        raise podmetrics.MetricsError(ROUTER_UNAVAILABLE, "no router pod is ready")
+    routers = podmetrics.ROUTER_METRICS
+    if prometheus_url:
+        rows = await podmetrics.query_prometheus(
+            http, prometheus_url, namespace, names, max_age_s, timeout_s, at=now, names=routers
+        )
+    else:
+        targets = [podmetrics.scrape_target(p) for p in pods]
+        rows = await podmetrics.scrape_pods(http, targets, timeout_s, now, routers)
+    activity = podmetrics.router_activity(rows, names, now, max_age_s)
+    if activity is None:
+        raise podmetrics.MetricsError(
+            ROUTER_UNAVAILABLE, f"no fresh metrics from the {len(names)} ready router pods"
+        )
+    return activity
+
+
 def _observed(decision: Decision) -> dict[str, Any]:
     kv, queue = decision.kv_usage, decision.queue_depth
     return {
@@ -125,11 +166,14 @@ def status_update(
     error_reason: str | None,
     generation: int | None,
     now: str,
+    held: int | None = None,
 ) -> dict[str, Any]:
-    """The merge patch of the autoscaler's status fields (empty when nothing changed)."""
+    """The merge patch of the autoscaler's status fields (empty when nothing changed).
+    ``held``: requests the router holds (scale from zero), None when not read."""
     want: dict[str, Any] = _observed(decision) if decision.metrics_ok else {}
     if not decision.metrics_ok:
         want = {"kvCacheUsagePercent": None, "queueDepthPerReplica": None}
+    want["heldRequests"] = held
     if decision.desired != decision.current:
         want.update(
             desiredReplicas=decision.desired, lastScaleTime=now, lastScaleReason=decision.reason
@@ -146,7 +190,12 @@ def status_update(
 
 
 async def write_decision(
-    api: KubeClient, config: OperatorConfig, llmd: Obj, decision: Decision, error: str | None
+    api: KubeClient,
+    config: OperatorConfig,
+    llmd: Obj,
+    decision: Decision,
+    error: str | None,
+    held: int | None = None,
 ) -> tuple[Obj, list[Event]]:
     """Status, then the scale subresource, then a reconcile pass; returns the freshest body
     and the events to post. Raises :class:`Conflict` when the object changed meanwhile."""
@@ -154,7 +203,8 @@ async def write_decision(
     ns, name = meta["namespace"], meta["name"]
     now = now_iso()
     events: list[Event] = []
-    patch = status_update(llmd.get("status") or {}, decision, error, meta.get("generation"), now)
+    status = llmd.get("status") or {}
+    patch = status_update(status, decision, error, meta.get("generation"), now, held)
     try:
         if patch:
             body = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch}
@@ -214,24 +264,41 @@ async def evaluate(
     ready = [p for p in pods if podmetrics.is_ready(p)]
     policy = policy_for(auto, interval)
     now = time.time() if now is None else now
+    timeout = max(1.0, min(10.0, interval))
+    prometheus = auto.prometheus_url or config.prometheus_url
     error: str | None = None
+    activity: RouterActivity | None = None
+    zero: Decision | None = None
     try:
-        if not ready:
+        if auto.min_replicas == 0:
+            routers = await api.list(PODS.path(namespace), render.router_selector_string(name))
+            try:
+                activity = await read_router_activity(
+                    http,
+                    prometheus,
+                    namespace,
+                    [p for p in routers if podmetrics.is_ready(p)],
+                    policy.max_sample_age_s,
+                    timeout,
+                    now,
+                )
+            except podmetrics.MetricsError:
+                if current == 0:
+                    raise  # nothing else can say when to start a replica
+            if activity is not None:
+                zero = zero_decision(current, activity, auto.scale_to_zero_after_seconds, now)
+        if zero is not None:
+            decision = zero
+            state.history = ()  # the next decision above zero starts afresh
+        elif not ready:
             raise podmetrics.MetricsError(
                 NO_READY_PODS, f"no ready pod to read metrics from yet ({len(pods)} pods)"
             )
-        samples = await read_samples(
-            http,
-            auto.prometheus_url or config.prometheus_url,
-            namespace,
-            ready,
-            policy,
-            max(1.0, min(10.0, interval)),
-            now,
-        )
-        decision, state.history = decide(policy, current, samples, state.history, now)
-        if not decision.metrics_ok:
-            error = "MissingMetrics"
+        else:
+            samples = await read_samples(http, prometheus, namespace, ready, policy, timeout, now)
+            decision, state.history = decide(policy, current, samples, state.history, now)
+            if not decision.metrics_ok:
+                error = "MissingMetrics"
     except podmetrics.MetricsError as e:
         error = e.reason
         reason = f"{e.message}; keeping {current} replicas"
@@ -243,7 +310,10 @@ async def evaluate(
     async with lock or contextlib.nullcontext():
         for attempt in (1, 2):
             try:
-                out.llmd, events = await write_decision(api, config, out.llmd, decision, error)
+                held = activity.held if activity is not None else None
+                out.llmd, events = await write_decision(
+                    api, config, out.llmd, decision, error, held
+                )
                 break
             except Conflict:
                 fresh = await api.get(LLMDEPLOYMENTS.path(namespace, name))

@@ -12,6 +12,10 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 # Labels on everything the operator creates.
 OWNER_LABEL = f"{GROUP}/llmdeployment"  # the owning LLMDeployment's name (also the selector)
+# The router's objects carry this instead of OWNER_LABEL (the server pods' selector, the
+# autoscaler's pod list and the child indexes must not see them): the owner's name.
+ROUTER_LABEL = f"{GROUP}/router"
+ROUTER_APP = "kvscale-router"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGER = "kvscale-operator"
 NAME_LABEL = "app.kubernetes.io/name"
@@ -30,6 +34,9 @@ MODEL_ROOT = "/models"
 # in an emptyDir both containers mount.
 DRAFT_SOCKET_DIR = "/var/run/kvscale-draft"
 DRAFT_SOCKET = f"{DRAFT_SOCKET_DIR}/draft.sock"
+# The router container (spec.router): kvscale route.
+ROUTER_PORT = 8080
+TOKENIZER_ROOT = "/tokenizer"  # the model's tokenizer files, for prefix routing
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set on nodes by NVIDIA GPU feature discovery
 RUN_AS_USER = 1000

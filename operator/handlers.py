@@ -34,6 +34,7 @@ from kvscale.operator.reconcile import LLMDEPLOYMENTS, Conflict, Outcome, reconc
 
 LLMD = (c.GROUP, c.VERSION, c.PLURAL)
 CHILD_LABELS = {c.MANAGED_BY_LABEL: c.MANAGER, c.OWNER_LABEL: kopf.PRESENT}
+ROUTER_LABELS = {c.MANAGED_BY_LABEL: c.MANAGER, c.ROUTER_LABEL: kopf.PRESENT}
 
 
 @kopf.on.startup()
@@ -105,6 +106,11 @@ def deployment_index(namespace: str, labels: Mapping[str, str], body: kopf.Body,
     return _by_owner(namespace, labels, body)
 
 
+@kopf.index("apps", "v1", "deployments", labels=ROUTER_LABELS)
+def router_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
+    return {(namespace, labels[c.ROUTER_LABEL]): body}
+
+
 @kopf.index("v1", "services", labels=CHILD_LABELS)
 def service_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any):  # type: ignore[no-untyped-def]
     return _by_owner(namespace, labels, body)
@@ -137,12 +143,16 @@ class IndexCache:
             "PodDisruptionBudget": kw["pdb_index"],
         }
         self._pods = kw["pod_index"]
+        self._routers = kw["router_index"]
 
     def child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return _one(self._kinds[kind], (namespace, name))
 
     def pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
         return [dict(p) for p in self._pods.get((namespace, name)) or ()]
+
+    def router(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return _one(self._routers, (namespace, name))
 
 
 @kopf.on.resume(*LLMD)
@@ -196,6 +206,14 @@ async def owned_deployment_changed(
 ) -> None:
     """Rollout progress, replica counts, or a deleted Deployment: reconcile the owner."""
     await _reconcile_owner(memo, namespace, labels[c.OWNER_LABEL], logger, kw)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=ROUTER_LABELS)
+async def owned_router_changed(
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, logger: logging.Logger, **kw: Any
+) -> None:
+    """The router Deployment changed or was deleted: reconcile the owner."""
+    await _reconcile_owner(memo, namespace, labels[c.ROUTER_LABEL], logger, kw)
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)

@@ -73,7 +73,18 @@ SERVICES = Resource("v1", "services")
 PDBS = Resource("policy/v1", "poddisruptionbudgets")
 SECRETS = Resource("v1", "secrets")
 PODS = Resource("v1", "pods")
-KINDS = {"Deployment": DEPLOYMENTS, "Service": SERVICES, "PodDisruptionBudget": PDBS}
+SERVICE_ACCOUNTS = Resource("v1", "serviceaccounts")
+ROLES = Resource("rbac.authorization.k8s.io/v1", "roles")
+ROLE_BINDINGS = Resource("rbac.authorization.k8s.io/v1", "rolebindings")
+ENDPOINT_SLICES = Resource("discovery.k8s.io/v1", "endpointslices")
+KINDS = {
+    "Deployment": DEPLOYMENTS,
+    "Service": SERVICES,
+    "PodDisruptionBudget": PDBS,
+    "ServiceAccount": SERVICE_ACCOUNTS,
+    "Role": ROLES,
+    "RoleBinding": ROLE_BINDINGS,
+}
 
 
 class ApiError(Exception):

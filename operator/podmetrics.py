@@ -31,11 +31,16 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscale.operator import constants as c
-from kvscale.operator.scaling import PodSample
+from kvscale.operator.scaling import PodSample, RouterActivity
 
 KV_METRIC = "kvscale:kv_cache_usage_perc"
 QUEUE_METRIC = "kvscale:num_requests_waiting"
 METRICS = (KV_METRIC, QUEUE_METRIC)
+# The router pods' (spec.router), for scaling from and to zero.
+HELD_METRIC = "kvscale_router:held_requests"
+INFLIGHT_METRIC = "kvscale_router:replica_inflight"
+LAST_REQUEST_METRIC = "kvscale_router:last_request_timestamp_seconds"
+ROUTER_METRICS = (HELD_METRIC, INFLIGHT_METRIC, LAST_REQUEST_METRIC)
 _RE_SPECIAL = re.compile(r"([\\.^$*+?()\[\]{}|])")
 
 
@@ -104,20 +109,22 @@ def scrape_target(pod: Mapping[str, Any]) -> PodTarget:
 # --- parsing: both sources end here -----------------------------------------------------------
 
 
-def rows_from_exposition(pod: str, text: str, scraped_at: float) -> list[Row]:
-    """The wanted gauges of one pod's ``/metrics`` text (Prometheus text format)."""
+def rows_from_exposition(
+    pod: str, text: str, scraped_at: float, names: Sequence[str] = METRICS
+) -> list[Row]:
+    """The gauges ``names`` of one pod's ``/metrics`` text (Prometheus text format)."""
     rows = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in METRICS:
+            if sample.name in names:
                 ts = sample.timestamp if sample.timestamp is not None else scraped_at
                 rows.append(Row(pod, sample.name, float(sample.value), float(ts)))
     return rows
 
 
-def rows_from_prometheus(payload: Mapping[str, Any]) -> list[Row]:
+def rows_from_prometheus(payload: Mapping[str, Any], names: Sequence[str] = METRICS) -> list[Row]:
     """A Prometheus ``/api/v1/query`` answer (vector or matrix) -> the newest sample per
-    series; series without a ``pod`` label are ignored."""
+    series of ``names``; series without a ``pod`` label are ignored."""
     if payload.get("status") != "success":
         raise MetricsError(
             "PrometheusQueryFailed",
@@ -133,7 +140,7 @@ def rows_from_prometheus(payload: Mapping[str, Any]) -> list[Row]:
         labels = series.get("metric") or {}
         pod, name = labels.get("pod"), labels.get("__name__")
         point = series.get("value") if kind == "vector" else (series.get("values") or [None])[-1]
-        if not pod or name not in METRICS or not point:
+        if not pod or name not in names or not point:
             continue
         try:
             rows.append(Row(pod, name, float(point[1]), float(point[0])))
@@ -160,6 +167,30 @@ def samples_from_rows(rows: Iterable[Row], pods: Sequence[str]) -> list[PodSampl
     return [PodSample(p, kv.get(p), queue.get(p), when.get(p)) for p in pods]
 
 
+def router_activity(
+    rows: Iterable[Row], pods: Sequence[str], now: float, max_age: float
+) -> RouterActivity | None:
+    """The routers' summed held and in-flight requests and their newest request time, from
+    the fresh rows of the router pods ``pods``; None when no router pod has fresh rows."""
+    wanted = set(pods)
+    fresh = [
+        r
+        for r in rows
+        if r.pod in wanted and now - r.timestamp <= max_age and not math.isnan(r.value)
+    ]
+    if not fresh:
+        return None
+    held = sum(r.value for r in fresh if r.metric == HELD_METRIC)
+    inflight = sum(r.value for r in fresh if r.metric == INFLIGHT_METRIC)
+    last = [r.value for r in fresh if r.metric == LAST_REQUEST_METRIC]
+    return RouterActivity(
+        held=round(max(held, 0.0)),
+        inflight=round(max(inflight, 0.0)),
+        last_request=max(last) if last else None,
+        routers=len({r.pod for r in fresh}),
+    )
+
+
 # --- fetching ---------------------------------------------------------------------------------
 
 
@@ -170,10 +201,12 @@ def _alternatives(names: Sequence[str]) -> str:
     return regex.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def promql(namespace: str, pods: Sequence[str], window_s: float) -> str:
-    """The range-selector query for these pods' KV and queue gauges over ``window_s``."""
+def promql(
+    namespace: str, pods: Sequence[str], window_s: float, names: Sequence[str] = METRICS
+) -> str:
+    """The range-selector query for these pods' gauges ``names`` over ``window_s``."""
     return (
-        f'{{__name__=~"{_alternatives(METRICS)}",namespace="{namespace}",'
+        f'{{__name__=~"{_alternatives(names)}",namespace="{namespace}",'
         f'pod=~"{_alternatives(pods)}"}}[{max(1, math.ceil(window_s))}s]'
     )
 
@@ -186,13 +219,14 @@ async def query_prometheus(
     window_s: float,
     timeout_s: float,
     at: float | None = None,
+    names: Sequence[str] = METRICS,
 ) -> list[Row]:
-    """Rows for ``pods`` from Prometheus, evaluated at unix time ``at`` (default: its now);
-    raises :class:`MetricsError` when it cannot."""
+    """Rows of the gauges ``names`` for ``pods`` from Prometheus, evaluated at unix time
+    ``at`` (default: its now); raises :class:`MetricsError` when it cannot."""
     if not pods:
         return []
     url = base_url.rstrip("/") + "/api/v1/query"
-    params = {"query": promql(namespace, pods, window_s)}
+    params = {"query": promql(namespace, pods, window_s, names)}
     if at is not None:
         params["time"] = f"{at:.3f}"
     try:
@@ -215,11 +249,15 @@ async def query_prometheus(
             f"cannot reach Prometheus at {base_url}: {type(e).__name__} {e}".rstrip()
             + "; check spec.autoscaling.prometheusUrl or the chart's prometheusUrl",
         ) from e
-    return rows_from_prometheus(payload)
+    return rows_from_prometheus(payload, names)
 
 
 async def _scrape_one(
-    session: aiohttp.ClientSession, target: PodTarget, timeout_s: float, now: float
+    session: aiohttp.ClientSession,
+    target: PodTarget,
+    timeout_s: float,
+    now: float,
+    names: Sequence[str],
 ) -> list[Row] | str:
     try:
         async with session.get(target.url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as rsp:
@@ -229,17 +267,23 @@ async def _scrape_one(
     except (aiohttp.ClientError, TimeoutError) as e:
         return f"{target.name}: {type(e).__name__} {e}".rstrip()
     try:
-        return rows_from_exposition(target.name, text, now)
+        return rows_from_exposition(target.name, text, now, names)
     except ValueError as e:
         return f"{target.name}: not Prometheus text format ({e})"
 
 
 async def scrape_pods(
-    session: aiohttp.ClientSession, targets: Sequence[PodTarget], timeout_s: float, now: float
+    session: aiohttp.ClientSession,
+    targets: Sequence[PodTarget],
+    timeout_s: float,
+    now: float,
+    names: Sequence[str] = METRICS,
 ) -> list[Row]:
-    """Rows from every target's ``/metrics``; a pod that fails is simply missing, and only
-    when every pod fails is it an error."""
-    results = await asyncio.gather(*(_scrape_one(session, t, timeout_s, now) for t in targets))
+    """Rows of the gauges ``names`` from every target's ``/metrics``; a pod that fails is
+    simply missing, and only when every pod fails is it an error."""
+    results = await asyncio.gather(
+        *(_scrape_one(session, t, timeout_s, now, names) for t in targets)
+    )
     rows = [row for r in results if not isinstance(r, str) for row in r]
     errors = [r for r in results if isinstance(r, str)]
     if targets and len(errors) == len(targets):

@@ -101,13 +101,17 @@ class ChildCache(Protocol):
 
     def pods(self, namespace: str, name: str) -> list[Obj]: ...
 
+    def router(self, namespace: str, name: str) -> Obj | None:
+        """The router Deployment of LLMDeployment ``name``, if watched."""
+        ...
+
 
 def _up_to_date(live: Mapping[str, Any] | None, desired: Obj, owner_uid: str) -> bool:
     if live is None or not _is_owned(live, owner_uid):
         return False
     want_hash = desired["metadata"]["annotations"][c.SPEC_HASH_ANNOTATION]
     have_hash = (live["metadata"].get("annotations") or {}).get(c.SPEC_HASH_ANNOTATION)
-    want_replicas = desired["spec"].get("replicas")
+    want_replicas = desired.get("spec", {}).get("replicas")
     return want_hash == have_hash and (
         want_replicas is None or (live.get("spec") or {}).get("replicas") == want_replicas
     )
@@ -138,7 +142,7 @@ async def apply(
     try:
         if want_hash != have_hash:
             return await api.replace(path, _merge_for_update(live, desired)), "Updated"
-        want_replicas = desired["spec"].get("replicas")
+        want_replicas = desired.get("spec", {}).get("replicas")
         if want_replicas is not None and live["spec"].get("replicas") != want_replicas:
             patched = await api.patch(path, {"spec": {"replicas": want_replicas}})
             return patched, f"Scaled:{live['spec'].get('replicas')}"
@@ -157,6 +161,47 @@ class _NotOwned(Exception):
             f"{kind} {ns}/{name} already exists and is not owned by this LLMDeployment; "
             "delete or rename it, or rename the LLMDeployment",
         )
+
+
+def _cached(cache: ChildCache | None, obj: Obj, ns: str, name: str) -> Obj | None:
+    """The watched copy of ``obj``, if one may be trusted: the owner-labelled children (the
+    router's come from their own index). The PDB comes and goes with the replica count:
+    never trust a watched copy of it (the watch may not have seen our own delete yet)."""
+    if cache is None or obj["kind"] == "PodDisruptionBudget":
+        return None
+    if obj["metadata"]["name"] == name:
+        return cache.child(obj["kind"], ns, name)
+    if obj["kind"] == "Deployment":
+        return cache.router(ns, name)
+    return None  # the router's RBAC and Service: read (only while the router is enabled)
+
+
+async def _prune_router(
+    api: KubeClient, cache: ChildCache | None, ns: str, name: str, uid: str
+) -> list[tuple[str, str, str]]:
+    """Deletes the router's objects after ``spec.router`` was disabled. The watched router
+    Deployment only says whether to look (without a cache: always look)."""
+    from kvscale.operator.render_router import router_object_names
+
+    if cache is not None and cache.router(ns, name) is None:
+        return []
+    router_path = KINDS["Deployment"].path(ns, render.router_name(name))
+    if cache is None and await api.get(router_path) is None:
+        return []
+    deleted = []
+    for kind, obj_name in reversed(router_object_names(name)):
+        path = KINDS[kind].path(ns, obj_name)
+        live = await api.get(path)
+        if live is not None and _is_owned(live, uid):
+            await api.delete(path)
+            deleted.append(f"{kind} {obj_name}")
+    if not deleted:
+        return []
+    message = (
+        f"deleted {', '.join(deleted)}: spec.router is disabled, the Service selects the "
+        "server pods again"
+    )
+    return [("Normal", "Deleted", message)]
 
 
 async def check_secrets(api: KubeClient, ns: str, spec: LLMDeploymentSpec) -> list[Problem]:
@@ -246,15 +291,15 @@ async def reconcile(
     if spec is not None and not out.problems:
         try:
             for obj in render.render_all(llmd, spec, config, desired):
-                # The PDB comes and goes with the replica count: never trust a watched copy
-                # of it (the watch may not have seen our own delete yet).
-                trusted = cache is not None and obj["kind"] != "PodDisruptionBudget"
-                cached = cache.child(obj["kind"], ns, name) if trusted else None
+                cached = _cached(cache, obj, ns, name)
                 live, action = await apply(api, obj, uid, cached)
-                if obj["kind"] == "Deployment":
+                if obj["kind"] == "Deployment" and obj["metadata"]["name"] == name:
                     deployment = live
                 if action:
-                    out.events.append(_events_for(action, obj, obj["spec"].get("replicas")))
+                    replicas = obj.get("spec", {}).get("replicas")
+                    out.events.append(_events_for(action, obj, replicas))
+            if not spec.router.enabled:
+                out.events += await _prune_router(api, cache, ns, name, uid)
             if not render.wants_pdb(spec):
                 # The watched copy only says whether to look (a PDB's own events reconcile
                 # its owner, so one the watch had not seen yet is deleted on its ADDED).

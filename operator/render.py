@@ -47,6 +47,37 @@ def labels(name: str, component: str = "server") -> dict[str, str]:
     }
 
 
+def router_selector_labels(name: str) -> dict[str, str]:
+    """The router Deployment's selector, disjoint from the server pods' (no OWNER_LABEL)."""
+    return {c.ROUTER_LABEL: name}
+
+
+def router_selector_string(name: str) -> str:
+    """The label selector of the router pods."""
+    return ",".join(f"{k}={v}" for k, v in router_selector_labels(name).items())
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return {
+        c.NAME_LABEL: c.ROUTER_APP,
+        c.INSTANCE_LABEL: name,
+        c.COMPONENT_LABEL: "router",
+        c.PART_OF_LABEL: "kvscale",
+        c.MANAGED_BY_LABEL: c.MANAGER,
+        **router_selector_labels(name),
+    }
+
+
+def router_name(name: str) -> str:
+    """The router's Deployment, ServiceAccount, Role and RoleBinding."""
+    return f"{name}-router"
+
+
+def replicas_service_name(name: str) -> str:
+    """The headless Service over the server pods whose EndpointSlices the router reads."""
+    return f"{name}-replicas"
+
+
 def owner_reference(llmd: Mapping[str, Any]) -> Obj:
     meta = llmd["metadata"]
     return {
@@ -59,12 +90,12 @@ def owner_reference(llmd: Mapping[str, Any]) -> Obj:
     }
 
 
-def _metadata(llmd: Mapping[str, Any], name: str, component: str = "server") -> Obj:
+def _metadata(llmd: Mapping[str, Any], name: str, router: bool = False) -> Obj:
     meta = llmd["metadata"]
     return {
         "name": name,
         "namespace": meta["namespace"],
-        "labels": labels(meta["name"], component),
+        "labels": router_labels(meta["name"]) if router else labels(meta["name"]),
         "annotations": {},
         "ownerReferences": [owner_reference(llmd)],
     }
@@ -543,16 +574,19 @@ def render_deployment(
 
 
 def render_service(llmd: Mapping[str, Any], spec: LLMDeploymentSpec) -> Obj:
+    """The LLMDeployment's Service: over the router pods when the router is enabled, else
+    over the server pods."""
     name = llmd["metadata"]["name"]
     meta = _metadata(llmd, name)
     meta["annotations"].update(spec.service.annotations)
+    selector = router_selector_labels(name) if spec.router.enabled else selector_labels(name)
     obj = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": meta,
         "spec": {
             "type": spec.service.type,
-            "selector": selector_labels(name),
+            "selector": selector,
             "ports": [
                 {"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}
             ],
@@ -589,8 +623,13 @@ def render_pdb(llmd: Mapping[str, Any], spec: LLMDeploymentSpec) -> Obj | None:
 def render_all(
     llmd: Mapping[str, Any], spec: LLMDeploymentSpec, config: OperatorConfig, replicas: int
 ) -> list[Obj]:
-    """Every object the LLMDeployment owns, in the order they are applied."""
-    objs = [render_deployment(llmd, spec, config, replicas), render_service(llmd, spec)]
+    """Every object the LLMDeployment owns, in the order they are applied: the router's
+    (when enabled) before the Service that selects its pods."""
+    from kvscale.operator.render_router import render_router  # it builds on this module
+
+    objs = [render_deployment(llmd, spec, config, replicas)]
+    objs += render_router(llmd, spec, config)
+    objs.append(render_service(llmd, spec))
     pdb = render_pdb(llmd, spec)
     if pdb:
         objs.append(pdb)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 KV = "kv_cache"
 QUEUE = "queue_depth"
+ROUTER = "router"  # scale from / to zero on the router's held requests and quiet time
 _EPS = 1e-9  # ceil(2.0000000001) must stay 2
 
 
@@ -100,6 +101,48 @@ class Decision:
         if self.desired > self.current:
             return "up"
         return "down" if self.desired < self.current else "none"
+
+
+@dataclass(frozen=True)
+class RouterActivity:
+    """What the router pods report, summed over them."""
+
+    held: int  # requests waiting for a ready replica
+    inflight: int  # requests the routers have in flight at replicas
+    last_request: float | None  # unix seconds of the newest request at any router
+    routers: int = 1  # router pods with fresh data
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" if n == 1 else f"{n} requests"
+
+
+def zero_decision(
+    current: int, activity: RouterActivity, idle_after_s: float, now: float
+) -> Decision | None:
+    """Scale from and to zero (``minReplicas`` 0, behind the router); None: the usual
+    decision applies, with at least one replica.
+
+    At 0 replicas: 1 as soon as a router holds a request, else 0. Above 0: 0 once no router
+    holds or has in flight a request and the newest request is ``idle_after_s`` old.
+    """
+    if current == 0:
+        waiting = activity.held + activity.inflight
+        if waiting:
+            reason = f"{_requests(waiting)} held at the router, 0 replicas -> 1"
+            return Decision(0, 1, reason, ROUTER, 1, None, None, 0, True)
+        reason = "no request held at the router; keeping 0 replicas"
+        return Decision(0, 0, reason, ROUTER, 0, None, None, 0, True)
+    if activity.held or activity.inflight or activity.last_request is None:
+        return None
+    idle = now - activity.last_request
+    if idle < idle_after_s:
+        return None
+    reason = (
+        f"no request at the router for {idle:.0f}s (scaleToZeroAfterSeconds "
+        f"{idle_after_s:g}), {_plural(current)} -> 0"
+    )
+    return Decision(current, 0, reason, ROUTER, 0, None, None, 0, True)
 
 
 def _fresh(sample: PodSample, now: float, max_age: float) -> bool:

@@ -21,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+ROUTER_POLICIES = ("prefix", "least-loaded", "random")
 SPECULATIVE_METHODS = ("draft", "ngram")
 PLACEMENTS = ("sidecar", "inprocess")
 NGRAM_RANGE = (1, 16)  # n of --ngram-min / --ngram-max
@@ -242,11 +243,29 @@ class SpeculativeSpec:
 
 
 @dataclass(frozen=True)
+class RouterSpec:
+    """``spec.router``: ``kvscale route`` pods in front of the replicas (prefix-aware
+    routing, holding requests while no replica is ready). When enabled, the
+    LLMDeployment's Service selects the router pods."""
+
+    enabled: bool = False
+    replicas: int = 1
+    policy: str = "prefix"
+    cpu: str | None = None
+    memory: str | None = None
+    hold_timeout_seconds: int = 300  # a cold start (download + load) must fit in it
+    hold_queue_size: int = 256
+
+
+@dataclass(frozen=True)
 class AutoscalingSpec:
     """``spec.autoscaling``: targets and behaviour of the KV-cache / queue-depth autoscaler.
 
     ``None`` for ``interval_seconds`` / ``prometheus_url`` means the operator-wide default;
-    ``None`` for ``max_metric_age_seconds`` means three intervals.
+    ``None`` for ``max_metric_age_seconds`` means three intervals. ``min_replicas`` 0
+    (scale to zero) needs the router, which holds the first request and whose held and
+    last-request metrics drive 0 -> 1 and, after ``scale_to_zero_after_seconds`` without
+    requests, 1 -> 0.
     """
 
     enabled: bool = False
@@ -261,6 +280,7 @@ class AutoscalingSpec:
     tolerance_percent: int = 10
     scale_up_limit_percent: int = 100
     max_metric_age_seconds: int | None = None
+    scale_to_zero_after_seconds: int = 300
 
 
 @dataclass(frozen=True)
@@ -298,6 +318,7 @@ class LLMDeploymentSpec:
     speculative: SpeculativeSpec | None
     replicas: int
     autoscaling: AutoscalingSpec
+    router: RouterSpec
     resources: ResourcesSpec
     service: ServiceSpec
     lifecycle: LifecycleSpec
@@ -453,6 +474,20 @@ def _parse_speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
     )
 
 
+def _parse_router(raw: Mapping[str, Any]) -> RouterSpec:
+    path = "spec.router"
+    res = _obj(raw, "resources", path)
+    return RouterSpec(
+        enabled=_bool(raw, "enabled", path, False),
+        replicas=_int(raw, "replicas", path, 1, 1, 100),
+        policy=_enum(raw, "policy", path, "prefix", ROUTER_POLICIES),
+        cpu=_quantity(res, "cpu", f"{path}.resources"),
+        memory=_quantity(res, "memory", f"{path}.resources"),
+        hold_timeout_seconds=_int(raw, "holdTimeoutSeconds", path, 300, 1, 3600),
+        hold_queue_size=_int(raw, "holdQueueSize", path, 256, 0, 100000),
+    )
+
+
 def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
     path = "spec.autoscaling"
     url = _str(raw, "prometheusUrl", path)
@@ -460,7 +495,7 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         raise _err(f"{path}.prometheusUrl", f"must be an http(s) URL (got {url!r})")
     spec = AutoscalingSpec(
         enabled=_bool(raw, "enabled", path, False),
-        min_replicas=_int(raw, "minReplicas", path, 1, 1, admission.MAX_REPLICAS),
+        min_replicas=_int(raw, "minReplicas", path, 1, 0, admission.MAX_REPLICAS),
         max_replicas=_int(raw, "maxReplicas", path, 4, 1, admission.MAX_REPLICAS),
         target_kv_cache_utilization_percent=_int(
             raw, "targetKVCacheUtilizationPercent", path, 80, 1, 100
@@ -477,6 +512,7 @@ def _parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
         tolerance_percent=_int(raw, "tolerancePercent", path, 10, 0, 100),
         scale_up_limit_percent=_int(raw, "scaleUpLimitPercent", path, 100, 1, 1000),
         max_metric_age_seconds=_int(raw, "maxMetricAgeSeconds", path, None, 1, 3600),
+        scale_to_zero_after_seconds=_int(raw, "scaleToZeroAfterSeconds", path, 300, 1, 86400),
     )
     if spec.min_replicas > spec.max_replicas:
         raise _err(
@@ -558,6 +594,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMDeploymentSpec:
         speculative=_parse_speculative(_obj(raw, "speculative", "spec")),
         replicas=_int(raw, "replicas", "spec", 1, 0, admission.MAX_REPLICAS),
         autoscaling=_parse_autoscaling(_obj(raw, "autoscaling", "spec")),
+        router=_parse_router(_obj(raw, "router", "spec")),
         resources=_parse_resources(_obj(raw, "resources", "spec")),
         service=_parse_service(_obj(raw, "service", "spec")),
         lifecycle=_parse_lifecycle(_obj(raw, "lifecycle", "spec")),
@@ -567,6 +604,15 @@ def parse_spec(raw: Mapping[str, Any] | None) -> LLMDeploymentSpec:
         service_account_name=_str(raw, "serviceAccountName", "spec"),
         env=tuple(dict(e) for e in env),
     )
+    if spec.autoscaling.min_replicas == 0 and not (
+        spec.autoscaling.enabled and spec.router.enabled
+    ):
+        raise _err(
+            "spec.autoscaling.minReplicas",
+            "0 (scale to zero) needs spec.autoscaling.enabled and spec.router.enabled: the "
+            "router holds the first request while a replica starts (got 0; set it to 1 or "
+            "enable both)",
+        )
     return spec
 
 

@@ -173,6 +173,7 @@ class RouterApp:
             resp = unauthorized_response()
             await resp(scope, receive, send)
             return
+        self.metrics.last_request.set_to_current_time()
         request = Request(scope, receive)
         body = await self._read_body(request, scope, send)
         if body is None:

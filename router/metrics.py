@@ -41,6 +41,13 @@ class RouterMetrics:
         self.held = Gauge(
             PREFIX + "held_requests", "Requests waiting for a ready replica.", registry=r
         )
+        self.last_request = Gauge(
+            PREFIX + "last_request_timestamp_seconds",
+            "Unix time of the latest request to /v1 (the router's start before any): the "
+            "autoscaler scales to zero after a quiet window.",
+            registry=r,
+        )
+        self.last_request.set_to_current_time()
         self.hold_time = Histogram(
             PREFIX + "hold_time_seconds",
             "Time requests waited for a ready replica (those that had to wait).",

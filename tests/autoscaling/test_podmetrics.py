@@ -244,3 +244,33 @@ def test_scrape_pods() -> None:
 def test_garbage_from_prometheus_is_a_metrics_error() -> None:
     with pytest.raises(pm.MetricsError, match="unexpected sample"):
         pm.rows_from_prometheus(_matrix(_series("a", pm.KV_METRIC, [(1.0, "many")])))
+
+
+def test_router_activity_from_the_routers_own_metrics() -> None:
+    """The router's registry, as it exposes it, read the way the autoscaler reads it."""
+    from prometheus_client import generate_latest
+
+    from kvscale.operator.scaling import RouterActivity
+    from kvscale.router.metrics import RouterMetrics
+
+    a, b = RouterMetrics(), RouterMetrics()
+    a.held.set(2)
+    a.inflight.labels("http://10.0.0.1:8000").set(1)
+    a.inflight.labels("http://10.0.0.2:8000").set(3)
+    a.last_request.set(900.0)
+    b.last_request.set(950.0)
+    rows = [
+        *pm.rows_from_exposition("router-a", generate_latest(a.registry).decode(), 1000.0,
+                                 pm.ROUTER_METRICS),
+        *pm.rows_from_exposition("router-b", generate_latest(b.registry).decode(), 1000.0,
+                                 pm.ROUTER_METRICS),
+    ]  # fmt: skip
+    assert pm.router_activity(rows, ["router-a", "router-b"], 1000.0, 45.0) == RouterActivity(
+        held=2, inflight=4, last_request=950.0, routers=2
+    )
+    # a stale router's rows do not count; none fresh: unknown, not idle
+    assert pm.router_activity(rows, ["router-a"], 1046.0, 45.0) is None
+    stale = pm.rows_from_prometheus(
+        _matrix(_series("router-a", pm.HELD_METRIC, [(900.0, "4")])), pm.ROUTER_METRICS
+    )
+    assert pm.router_activity(stale, ["router-a"], 1000.0, 45.0) is None

@@ -13,11 +13,14 @@ import pytest
 from kvscale.operator.scaling import (
     KV,
     QUEUE,
+    ROUTER,
     History,
     PodSample,
     Policy,
     Recommendation,
+    RouterActivity,
     decide,
+    zero_decision,
 )
 from tests.autoscaling.timeline import direction_changes
 
@@ -396,3 +399,48 @@ def test_noisy_step_load_moves_once_each_way(seed: int) -> None:
     series = simulate(POLICY, demand, noise=0.1, seed=seed)
     assert direction_changes(series) <= 1
     assert series[-1] == 1 and max(series) >= 3
+
+
+# --- scale from and to zero (minReplicas 0, behind the router) ---------------------------
+
+
+def test_from_zero_on_a_held_request() -> None:
+    busy = RouterActivity(held=1, inflight=0, last_request=NOW)
+    d = zero_decision(0, busy, 300, NOW)
+    assert d is not None and (d.current, d.desired) == (0, 1) and d.signal == ROUTER
+    assert d.reason == "1 request held at the router, 0 replicas -> 1"
+    three = zero_decision(0, RouterActivity(held=3, inflight=0, last_request=NOW), 300, NOW)
+    assert three is not None and three.desired == 1 and three.reason.startswith("3 requests")
+
+
+def test_stays_at_zero_without_requests() -> None:
+    quiet = RouterActivity(held=0, inflight=0, last_request=NOW - 5000)
+    d = zero_decision(0, quiet, 300, NOW)
+    assert d is not None and d.desired == 0 and d.metrics_ok
+
+
+@pytest.mark.parametrize(
+    ("activity", "zero"),
+    [
+        (RouterActivity(0, 0, NOW - 301), True),  # quiet for the whole window
+        (RouterActivity(0, 0, NOW - 299), False),  # not yet
+        (RouterActivity(1, 0, NOW - 999), False),  # one held (a replica restarting)
+        (RouterActivity(0, 2, NOW - 999), False),  # long requests still streaming
+        (RouterActivity(0, 0, None), False),  # no request time: never guess
+    ],
+)
+def test_to_zero_after_the_quiet_window(activity: RouterActivity, zero: bool) -> None:
+    d = zero_decision(2, activity, 300, NOW)
+    if not zero:
+        assert d is None  # the usual decision, with at least one replica
+        return
+    assert d is not None and (d.current, d.desired) == (2, 0)
+    assert d.reason == (
+        "no request at the router for 301s (scaleToZeroAfterSeconds 300), 2 replicas -> 0"
+    )
+
+
+def test_the_usual_decision_never_goes_below_one() -> None:
+    policy = dataclasses.replace(POLICY, min_replicas=1)  # policy_for(minReplicas 0)
+    d, _ = decide(policy, 1, pods([0.0], [0.0]), (), NOW)
+    assert d.desired == 1

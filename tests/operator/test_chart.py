@@ -105,7 +105,20 @@ def test_rbac_is_least_privilege(chart: helm.Chart) -> None:
     assert ("", "secrets", "get") in flat and not {
         ("", "secrets", v) for v in ("list", "watch", "create")
     } & flat
-    assert not any(res == "services" and v == "delete" for _, res, v in flat)
+    # deletes: only what spec.router's pruning removes (never pods, secrets or CRDs)
+    deletable = {(g, res) for g, res, v in flat if v == "delete"}
+    assert deletable == {
+        ("apps", "deployments"),
+        ("", "services"),
+        ("", "serviceaccounts"),
+        ("rbac.authorization.k8s.io", "roles"),
+        ("rbac.authorization.k8s.io", "rolebindings"),
+        ("policy", "poddisruptionbudgets"),
+    }
+    # the router's Role grants reading EndpointSlices and pods: the operator holds both
+    # (Kubernetes refuses to let it grant more than it has)
+    for res, g in (("endpointslices", "discovery.k8s.io"), ("pods", "")):
+        assert {(g, res, v) for v in ("get", "list", "watch")} <= flat
     assert ("apiextensions.k8s.io", "customresourcedefinitions", "create") not in flat
     # The autoscaler: its Leases (never listed or deleted) and the scale subresource.
     assert {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")} <= flat

@@ -120,6 +120,20 @@ VALID = [
         }
     },
     {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}},
+    {"router": {"enabled": True}},
+    {
+        "router": {
+            "enabled": True,
+            "replicas": 2,
+            "policy": "least-loaded",
+            "holdTimeoutSeconds": 600,
+        }
+    },
+    {"router": {"enabled": True, "resources": {"cpu": "500m", "memory": "1Gi"}}},
+    {  # scale to zero: needs the router and the autoscaler
+        "router": {"enabled": True},
+        "autoscaling": {"enabled": True, "minReplicas": 0, "scaleToZeroAfterSeconds": 60},
+    },
     {"engine": {"extraArgs": ["--enforce-eager", "--seed", "3"]}},
     {"model": {"source": "s3://bucket/prefix", "credentialsSecretRef": {"name": "s3"}}},
 ]
@@ -196,6 +210,17 @@ INVALID = [
         "hf:// and s3://",
     ),
     ({"replicas": -1}, "greater than or equal to 0"),
+    ({"autoscaling": {"enabled": True, "minReplicas": 0}}, "needs autoscaling.enabled and router"),
+    (
+        {"router": {"enabled": True}, "autoscaling": {"minReplicas": 0}},
+        "needs autoscaling.enabled and router",
+    ),
+    ({"router": {"enabled": True, "policy": "round-robin"}}, "Unsupported value"),
+    ({"router": {"enabled": True, "replicas": 0}}, "greater than or equal to 1"),
+    (
+        {"router": {"enabled": True}, "autoscaling": {"enabled": True, "minReplicas": -1}},
+        "greater than or equal to 0",
+    ),
 ]
 
 
@@ -259,3 +284,7 @@ def test_examples_cover_the_documented_cases() -> None:
     )
     methods = [(s.get("speculative") or {}).get("method") for s in specs]
     assert "draft" in methods and "ngram" in methods
+    assert any(
+        (s.get("router") or {}).get("enabled") and s["autoscaling"].get("minReplicas") == 0
+        for s in specs
+    )

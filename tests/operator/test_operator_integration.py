@@ -86,7 +86,7 @@ def _mark_ready(cluster: Cluster, name: str) -> None:
 
 def test_examples_apply_and_reconcile(cluster: Cluster) -> None:
     out = cluster.kubectl("apply", "-f", str(ROOT / "examples"))
-    assert out.count("created") == 5
+    assert out.count("created") == 6
     dep = wait_for(lambda: _deployment(cluster, "qwen"), what="the qwen Deployment")
     assert (
         dep["metadata"]["ownerReferences"][0]["uid"] == cluster.llmd(NS, "qwen")["metadata"]["uid"]
@@ -134,6 +134,57 @@ def test_printer_columns(cluster: Cluster) -> None:
     methods = {row.split()[0]: row.split() for row in rows}
     assert "ngram" in methods["qwen-coder-ngram"] and "draft" in methods["llama-70b-spec"]
     assert not {"ngram", "draft"} & set(methods["qwen"])
+
+
+ROUTED = "qwen-routed"  # examples/llmdeployment-router-scale-to-zero.yaml
+ROUTER_OBJECTS = [
+    ("v1", "serviceaccounts", f"{ROUTED}-router"),
+    ("rbac.authorization.k8s.io/v1", "roles", f"{ROUTED}-router"),
+    ("rbac.authorization.k8s.io/v1", "rolebindings", f"{ROUTED}-router"),
+    ("v1", "services", f"{ROUTED}-replicas"),
+    (APPS, "deployments", f"{ROUTED}-router"),
+]
+
+
+def test_the_router_is_rendered_and_removed_when_disabled(cluster: Cluster) -> None:
+    for api, plural, name in ROUTER_OBJECTS:
+        wait_for(lambda a=api, p=plural, n=name: cluster.get(a, p, NS, n), what=f"{plural} {name}")
+    router = cluster.get(APPS, "deployments", NS, f"{ROUTED}-router")
+    pod = router["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{ROUTED}-router"
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--endpoint-slices") + 1] == f"{NS}/{ROUTED}-replicas"
+    assert args[args.index("--tokenizer") + 1] == "/tokenizer"
+    assert [ctr["name"] for ctr in pod["initContainers"]] == ["tokenizer-download"]
+    assert router["spec"]["replicas"] == 2
+    # the Service selects the router pods; the headless one the servers, for the router
+    svc = wait_for(lambda: cluster.get("v1", "services", NS, ROUTED), what="the Service")
+    assert svc["spec"]["selector"] == {c.ROUTER_LABEL: ROUTED}
+    replicas = cluster.get("v1", "services", NS, f"{ROUTED}-replicas")
+    assert replicas["spec"]["selector"] == {c.OWNER_LABEL: ROUTED}
+    assert replicas["spec"]["clusterIP"] == "None"
+    role = cluster.get("rbac.authorization.k8s.io/v1", "roles", NS, f"{ROUTED}-router")
+    assert {(r["apiGroups"][0], r["resources"][0]) for r in role["rules"]} == {
+        ("discovery.k8s.io", "endpointslices"),
+        ("", "pods"),
+    }
+    # the server Deployment is still the one the status and the pods' selector follow
+    assert cluster.llmd(NS, ROUTED)["status"]["selector"] == f"{c.OWNER_LABEL}={ROUTED}"
+
+    patch = '{"spec": {"router": {"enabled": false}, "autoscaling": {"minReplicas": 1}}}'
+    cluster.kubectl("patch", "llmd", ROUTED, "--type=merge", "-p", patch)
+    for api, plural, name in ROUTER_OBJECTS:
+        wait_for(
+            lambda a=api, p=plural, n=name: cluster.get(a, p, NS, n) is None,
+            what=f"{plural} {name} deleted",
+        )
+    wait_for(
+        lambda: cluster.get("v1", "services", NS, ROUTED)["spec"]["selector"]
+        == {c.OWNER_LABEL: ROUTED},
+        what="the Service over the servers again",
+    )
+    wait_for(lambda: any(e["reason"] == "Deleted" for e in cluster.events(NS, ROUTED)))
+    cluster.kubectl("delete", "llmd", ROUTED, "--timeout=20s")
 
 
 def test_missing_secret_is_degraded_then_recovers(cluster: Cluster) -> None:
@@ -438,6 +489,16 @@ def test_the_chart_rbac_allows_exactly_what_the_operator_did(cluster: Cluster) -
         ("policy", "poddisruptionbudgets", "update"),
         ("serving.kvscale.dev", "llmdeployments/status", "get"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "get"),
+        # held only to be granted to the router's Role (Kubernetes refuses to let the
+        # operator grant what it does not hold), and updates of the router's RBAC objects
+        # only when a new operator renders them differently
+        ("discovery.k8s.io", "endpointslices", "get"),
+        ("discovery.k8s.io", "endpointslices", "list"),
+        ("discovery.k8s.io", "endpointslices", "watch"),
+        ("", "pods", "get"),
+        ("", "serviceaccounts", "update"),
+        ("rbac.authorization.k8s.io", "roles", "update"),
+        ("rbac.authorization.k8s.io", "rolebindings", "update"),
     }
     assert granted - used <= expected_unused, (
         f"granted but never used: {granted - used - expected_unused}"

@@ -487,3 +487,109 @@ def test_4bit_quantization_renders_flags_the_server_accepts(
     args = build_parser().parse_args(_container(_pod(objs))["args"])
     cfg = check_flags(args)
     assert cfg.quantization == quantization and cfg.dtype == dtype and cfg.device == device
+
+
+# --- spec.router -------------------------------------------------------------------------
+
+
+ROUTED = {
+    "model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct"},
+    "router": {"enabled": True, "replicas": 2, "resources": {"cpu": "1", "memory": "2Gi"}},
+    "engine": {"blockSize": 32},
+    "service": {"apiKeySecretRef": {"name": "keys"}},
+}
+
+
+def _by_kind(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def test_router_objects_and_the_service_that_selects_them(make_llmd: MakeLLMD) -> None:
+    llmd, _, objs = _render(make_llmd, ROUTED)
+    name, ns = llmd["metadata"]["name"], llmd["metadata"]["namespace"]
+    got = _by_kind(objs)
+    # the RBAC and the router before the Service that sends traffic to its pods
+    assert [o["kind"] for o in objs] == [
+        "Deployment", "ServiceAccount", "Role", "RoleBinding", "Service", "Deployment", "Service",
+    ]  # fmt: skip
+    router = got[("Deployment", f"{name}-router")]
+    server = got[("Deployment", name)]
+    # disjoint selectors: the server Deployment (and the autoscaler's pod list, the
+    # child indexes) never see router pods, and the other way round
+    rsel = router["spec"]["selector"]["matchLabels"]
+    ssel = server["spec"]["selector"]["matchLabels"]
+    rpod_labels = router["spec"]["template"]["metadata"]["labels"]
+    assert not set(ssel.items()) <= set(rpod_labels.items())
+    assert not set(rsel.items()) <= set(server["spec"]["template"]["metadata"]["labels"].items())
+    assert c.OWNER_LABEL not in router["metadata"]["labels"]
+    assert got[("Service", name)]["spec"]["selector"] == rsel
+    headless = got[("Service", f"{name}-replicas")]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"] == ssel
+    assert headless["spec"]["ports"][0]["targetPort"] == "http"
+    # the router's command line: the replicas from the headless Service's EndpointSlices
+    pod = router["spec"]["template"]["spec"]
+    ctr = _container(pod, "router")
+    args = ctr["args"]
+    assert args[0] == "route" and _flag(args, "--endpoint-slices") == f"{ns}/{name}-replicas"
+    assert _flag(args, "--endpoint-port") == "http" and _flag(args, "--policy") == "prefix"
+    assert _flag(args, "--block-size") == "32"  # hashes blocks as the servers do
+    assert _flag(args, "--tokenizer") == "/tokenizer" and _flag(args, "--hold-timeout") == "300"
+    (init,) = pod["initContainers"]
+    assert init["command"][:3] == ["hf", "download", "Qwen/Qwen2.5-7B-Instruct"]
+    assert "tokenizer.json" in init["command"] and "*.safetensors" not in init["command"]
+    assert pod["serviceAccountName"] == f"{name}-router"
+    assert pod["automountServiceAccountToken"] is True
+    assert ctr["resources"] == {
+        "requests": {"cpu": "1", "memory": "2Gi"},
+        "limits": {"memory": "2Gi"},
+    }
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["KVSCALE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+    assert router["spec"]["replicas"] == 2
+    notes = router["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/port"] == str(c.ROUTER_PORT)  # the autoscaler reads it
+    # the router parses its own command line
+    parsed = build_parser().parse_args(args)
+    assert parsed.endpoint_slices == f"{ns}/{name}-replicas" and parsed.port == c.ROUTER_PORT
+    # least privilege: read EndpointSlices and pods, in the namespace only
+    role = got[("Role", f"{name}-router")]
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]  # fmt: skip
+    binding = got[("RoleBinding", f"{name}-router")]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": f"{name}-router", "namespace": ns}
+    ]
+    for obj in objs:
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == llmd["metadata"]["uid"]
+
+
+@pytest.mark.parametrize(
+    ("source", "policy", "tokenizer", "init"),
+    [
+        ("pvc://models/qwen-7b", "prefix", "/tokenizer-pvc/qwen-7b", []),
+        ("s3://bucket/qwen", "prefix", "/tokenizer", ["tokenizer-download"]),
+        ("builtin://demo", "prefix", None, []),  # token-id prompts only
+        ("hf://a/b", "least-loaded", None, []),  # no prefix: no tokenizer to fetch
+    ],
+)
+def test_router_tokenizer_sources(
+    make_llmd: MakeLLMD, source: str, policy: str, tokenizer: str | None, init: list[str]
+) -> None:
+    spec = {"model": {"source": source}, "router": {"enabled": True, "policy": policy}}
+    llmd, _, objs = _render(make_llmd, spec)
+    router = _by_kind(objs)[("Deployment", f"{llmd['metadata']['name']}-router")]
+    pod = router["spec"]["template"]["spec"]
+    assert _flag(_container(pod, "router")["args"], "--tokenizer") == tokenizer
+    assert [ctr["name"] for ctr in pod.get("initContainers", [])] == init
+    if source.startswith("pvc"):
+        (claim,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert claim["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+
+def test_no_router_objects_when_disabled(make_llmd: MakeLLMD) -> None:
+    llmd, _, objs = _render(make_llmd, {"model": {"source": "hf://a/b"}})
+    assert [o["kind"] for o in objs] == ["Deployment", "Service"]
+    assert objs[1]["spec"]["selector"] == {c.OWNER_LABEL: llmd["metadata"]["name"]}

@@ -46,19 +46,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: [llmdeployments/finalizers]
   verbs: [update]
 # The server pods' Deployment: created, updated, scaled; watched for rollout progress.
+# The router's Deployment and Service (spec.router) are deleted when it is disabled.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, update, patch]
+  verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, update]
+  verbs: [get, list, watch, create, update, delete]
+# spec.router: the router's ServiceAccount, Role and RoleBinding. Kubernetes only lets the
+# operator grant what it holds itself: reading EndpointSlices and pods (below).
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, update, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, update, delete]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, update, delete]
-# Pods: watched to report unschedulable or crashing replicas.
+# Pods: watched to report unschedulable or crashing replicas (get: granted to the router).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch]
+  verbs: [get, list, watch]
 # Secrets: only checked to exist with the right keys (never listed or watched).
 - apiGroups: [""]
   resources: [secrets]
