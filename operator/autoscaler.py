@@ -51,6 +51,8 @@ Event = tuple[str, str, str]  # (type, reason, message)
 VALID = "ValidMetricFound"  # ScalingActive's reason while metrics flow (as the HPA's)
 NO_READY_PODS = "NoReadyPods"  # False, but expected while pods start: no Warning event
 ROUTER_UNAVAILABLE = "RouterMetricsUnavailable"  # scale from zero cannot see held requests
+NO_READY_ROUTER = "NoReadyRouter"  # as NO_READY_PODS: expected while the router starts
+QUIET_ERRORS = (NO_READY_PODS, NO_READY_ROUTER)
 
 
 @dataclass
@@ -135,7 +137,7 @@ async def read_router_activity(
     :class:`podmetrics.MetricsError` when none can be read."""
     names = [p["metadata"]["name"] for p in pods]
     if not names:
-        raise podmetrics.MetricsError(ROUTER_UNAVAILABLE, "no router pod is ready")
+        raise podmetrics.MetricsError(NO_READY_ROUTER, "no router pod is ready yet")
     routers = podmetrics.ROUTER_METRICS
     if prometheus_url:
         rows = await podmetrics.query_prometheus(
@@ -304,7 +306,7 @@ async def evaluate(
         reason = f"{e.message}; keeping {current} replicas"
         decision = Decision(current, current, reason, None, None, None, None, 0, False)
     out.decision = decision
-    if error and error != NO_READY_PODS and state.failing != error:
+    if error and error not in QUIET_ERRORS and state.failing != error:
         out.events.append(("Warning", "FailedGetMetrics", decision.reason))
     state.failing = error
     async with lock or contextlib.nullcontext():

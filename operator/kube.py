@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,8 +195,55 @@ class KubeClient:
             raise
 
     async def list(self, path: str, label_selector: str | None = None) -> list[Obj]:
+        return (await self.list_versioned(path, label_selector))[0]
+
+    async def list_versioned(
+        self, path: str, label_selector: str | None = None
+    ) -> tuple[list[Obj], str]:
+        """The items and the list's resourceVersion (where a watch starts)."""
         params = {"labelSelector": label_selector} if label_selector else None
-        return list((await self.request("GET", path, params=params)).get("items") or [])
+        payload = await self.request("GET", path, params=params)
+        version = str((payload.get("metadata") or {}).get("resourceVersion") or "")
+        return list(payload.get("items") or []), version
+
+    async def watch(
+        self,
+        path: str,
+        resource_version: str,
+        label_selector: str | None = None,
+        timeout_s: int = 300,
+    ) -> AsyncIterator[Obj]:
+        """The watch events (``{"type", "object"}``) of ``path`` after ``resource_version``
+        until the server ends the stream (after about ``timeout_s``); bookmarks included.
+        Raises ApiError when the watch is refused (410 Gone: list again)."""
+        params = {
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_s),
+        }
+        if label_selector:
+            params["labelSelector"] = label_selector
+        api = self._api
+        _, url, headers, _, _ = await api.param_serialize(
+            "GET",
+            path,
+            query_params=list(params.items()),
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        rsp = await api.call_api("GET", url, header_params=headers, _request_timeout=timeout_s + 30)
+        try:
+            if rsp.status == 401 and self._loader is not None:
+                await self._reload(api)
+            if rsp.status >= 400:
+                text = (await rsp.read()).decode("utf-8", "replace")
+                raise ApiError(rsp.status, str(rsp.reason or ""), text)
+            while line := await rsp.response.content.readline():
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            rsp.response.release()
 
     async def create(self, path: str, body: Obj) -> Obj:
         return await self.request("POST", path, body=body)

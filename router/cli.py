@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--endpoints-interval",
         type=float,
         default=2.0,
-        help="with --endpoint-slices: seconds between lists" + d,
+        help="with --endpoint-slices: seconds before listing again after a failed list or "
+        "watch (changes arrive through the watch at once)" + d,
     )
     p.add_argument(
         "--policy",

@@ -1,8 +1,8 @@
 """An ``EndpointSource`` for Kubernetes: the ready endpoints of one Service's
-EndpointSlices (label ``kubernetes.io/service-name``), listed every ``interval`` seconds
-with the operator's API client (in-cluster service account or kubeconfig; credentials
-reloaded on a 401). A list that fails keeps the last set. Listing, not watching: a few
-slices per deployment make a list every few seconds cheap; a watch is the next step.
+EndpointSlices (label ``kubernetes.io/service-name``), listed and then watched with the
+operator's API client (in-cluster service account or kubeconfig; credentials reloaded on
+a 401), so that a pod that stops being ready leaves the rotation as soon as the
+EndpointSlice controller says so. A failure keeps the last set.
 """
 
 from __future__ import annotations
@@ -55,7 +55,11 @@ def parse_port(text: str | None) -> int | str | None:
 
 
 class EndpointSliceSource:
-    """``EndpointSliceSource("ml", "llama")``: the replicas behind Service ml/llama."""
+    """``EndpointSliceSource("ml", "llama")``: the replicas behind Service ml/llama, listed
+    once and then watched (a slice's change reaches the router as the API server sends it);
+    when the watch ends it resumes from the last version, and after an error (or a 410:
+    the version is gone) it lists again ``interval`` seconds later. A failed list keeps
+    the last set."""
 
     def __init__(
         self,
@@ -64,11 +68,13 @@ class EndpointSliceSource:
         port: int | str | None = None,
         interval: float = 2.0,
         client_factory: Callable[[], Awaitable[Any]] | None = None,
+        watch_timeout_s: int = 300,
     ) -> None:
         self.namespace = namespace
         self.service = service
         self.port = port
         self.interval = interval
+        self.watch_timeout_s = watch_timeout_s
         self._factory = client_factory
 
     @property
@@ -82,20 +88,40 @@ class EndpointSliceSource:
             client = await KubeClient.connect(user_agent="kvscale-router/0.1.0")
         else:
             client = await self._factory()
+        selector = f"{SERVICE_LABEL}={self.service}"
         last: list[str] | None = None
+
+        def publish(slices: dict[str, dict[str, Any]]) -> None:
+            nonlocal last
+            urls = slice_urls(list(slices.values()), self.port)
+            if urls != last:
+                log.info("endpoints of %s/%s: %s", self.namespace, self.service, urls)
+                update(urls)
+                last = urls
+
         try:
             while True:
                 try:
-                    slices = await client.list(
-                        self.path, label_selector=f"{SERVICE_LABEL}={self.service}"
-                    )
-                    urls = slice_urls(slices, self.port)
-                    if urls != last:
-                        log.info("endpoints of %s/%s: %s", self.namespace, self.service, urls)
-                        update(urls)
-                        last = urls
-                except Exception as e:  # keep the last set; try again
-                    log.warning("listing EndpointSlices failed: %r", e)
+                    items, version = await client.list_versioned(self.path, selector)
+                    slices = {s["metadata"]["name"]: s for s in items}
+                    publish(slices)
+                    while True:  # watch until an error; each stream ends after a timeout
+                        async for event in client.watch(
+                            self.path, version, selector, self.watch_timeout_s
+                        ):
+                            kind, obj = event.get("type"), event.get("object") or {}
+                            if kind == "ERROR":
+                                raise RuntimeError(f"watch error: {obj.get('message', obj)}")
+                            version = obj.get("metadata", {}).get("resourceVersion") or version
+                            if kind in ("ADDED", "MODIFIED"):
+                                slices[obj["metadata"]["name"]] = obj
+                            elif kind == "DELETED":
+                                slices.pop(obj["metadata"]["name"], None)
+                            publish(slices)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # keep the last set; list and watch again
+                    log.warning("listing or watching EndpointSlices failed: %r", e)
                 await asyncio.sleep(self.interval)
         finally:
             await client.close()

@@ -426,3 +426,182 @@ def background(fn: Callable[[], None], name: str) -> Iterator[threading.Thread]:
         yield thread
     finally:
         thread.join(timeout=120)
+
+
+# --- scale from zero: pods that start cold -------------------------------------------------------
+
+
+class ColdStartKubelet:
+    """The Deployment controller, kubelet and EndpointSlice controller for one LLMDeployment
+    with ``spec.router``, starting real processes on demand:
+
+    * the router Deployment: one ``kvscale route`` process with the rendered flags (host and
+      port changed), reading EndpointSlices from the emulator through ``kubeconfig``; its
+      pod is Ready once ``/health`` answers;
+    * the server Deployment (0 or 1 replicas): a ``kvscale serve`` process started when it
+      goes to 1 (a cold start: the pod is Ready, and in the ``<name>-replicas`` EndpointSlice,
+      only once ``/ready`` answers) and killed when it goes to 0.
+    """
+
+    def __init__(
+        self, emu: EmulatorThread, namespace: str, name: str, kubeconfig: Path, workdir: Path
+    ) -> None:
+        self.emu, self.ns, self.name = emu, namespace, name
+        self.kubeconfig, self.workdir = kubeconfig, workdir
+        self.router_port = free_port()
+        self.router_url = f"http://127.0.0.1:{self.router_port}"
+        self.router: subprocess.Popen[bytes] | None = None
+        self.router_log = workdir / "router.log"
+        self.server: ServerProcesses | None = None
+        self.server_ready = False
+        self.cold_starts = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cold-kubelet", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=20)
+        if self.server is not None:
+            self.server.stop()
+        if self.router is not None and self.router.poll() is None:
+            self.router.kill()
+            self.router.wait(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except Exception as e:  # keep playing the controllers; tests look at .errors
+                self.errors.append(repr(e))
+            self._stop.wait(0.2)
+
+    @staticmethod
+    def _up(url: str, path: str) -> bool:
+        try:
+            return httpx.get(url + path, timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _pod(self, name: str, template: dict[str, Any], port: int) -> None:
+        meta = template.get("metadata") or {}
+        notes = {**(meta.get("annotations") or {}), "prometheus.io/port": str(port)}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": self.ns,
+                "labels": dict(meta.get("labels") or {}),
+                "annotations": notes,
+            },
+            "spec": template.get("spec") or {},
+        }
+        self.emu.create("v1", "pods", self.ns, pod)
+        self.emu.set_status("v1", "pods", self.ns, name, {"phase": "Pending"})
+
+    def _set_ready(self, pod: str, ready: bool) -> None:
+        status = {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        }
+        self.emu.set_status("v1", "pods", self.ns, pod, status)
+
+    def _endpoints(self, port: int | None) -> None:
+        """The ``<name>-replicas`` EndpointSlice: the ready server, or no endpoint."""
+        slice_name = f"{self.name}-replicas-x1"
+        if self.emu.get("discovery.k8s.io/v1", "endpointslices", self.ns, slice_name):
+            self.emu.delete("discovery.k8s.io/v1", "endpointslices", self.ns, slice_name)
+        self.emu.create(
+            "discovery.k8s.io/v1",
+            "endpointslices",
+            self.ns,
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": slice_name,
+                    "namespace": self.ns,
+                    "labels": {"kubernetes.io/service-name": f"{self.name}-replicas"},
+                },
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": port or 1, "protocol": "TCP"}],
+                "endpoints": []
+                if port is None
+                else [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
+            },
+        )
+
+    def _deployment_status(self, name: str, replicas: int, ready: int, dep: dict) -> None:
+        status = {
+            "observedGeneration": dep["metadata"].get("generation"),
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+        }
+        have = dep.get("status") or {}
+        if any(have.get(k) != v for k, v in status.items()):
+            self.emu.set_status(APPS, "deployments", self.ns, name, status)
+
+    def sync(self) -> None:
+        router_name = f"{self.name}-router"
+        rdep = self.emu.get(APPS, "deployments", self.ns, router_name)
+        if rdep is not None:
+            self._sync_router(rdep, router_name)
+        dep = self.emu.get(APPS, "deployments", self.ns, self.name)
+        if dep is not None:
+            self._sync_server(dep)
+
+    def _sync_router(self, rdep: dict[str, Any], name: str) -> None:
+        pod = f"{name}-0"
+        if self.router is None:
+            args = rdep["spec"]["template"]["spec"]["containers"][0]["args"]
+            env = {
+                **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                "PYTHONSAFEPATH": "1",
+                "KUBECONFIG": str(self.kubeconfig),
+            }
+            cmd = [sys.executable, "-m", "kvscale.cli", *loopback_args(args, self.router_port)]
+            with open(self.router_log, "wb") as out:
+                self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self._pod(pod, rdep["spec"]["template"], self.router_port)
+        if self.router.poll() is not None:
+            raise RuntimeError(f"the router exited:\n{self.router_log.read_text()[-2000:]}")
+        live = self.emu.get("v1", "pods", self.ns, pod) or {}
+        ready = any(x.get("status") == "True" for x in live.get("status", {}).get("conditions", []))
+        if not ready and self._up(self.router_url, "/health"):
+            self._set_ready(pod, True)
+            ready = True
+        self._deployment_status(name, 1, int(ready), rdep)
+
+    def _sync_server(self, dep: dict[str, Any]) -> None:
+        pod = f"{self.name}-0"
+        want = min(1, int(dep["spec"].get("replicas", 0)))
+        if want and self.server is None:
+            args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+            self.cold_starts += 1
+            workdir = self.workdir / f"cold-{self.cold_starts}"
+            workdir.mkdir()
+            self.server = ServerProcesses(workdir, args, 1)
+            self.server_ready = False
+            self._pod(pod, dep["spec"]["template"], self.server.ports[0])
+        elif not want and self.server is not None:
+            self._endpoints(None)
+            self.emu.delete("v1", "pods", self.ns, pod)
+            self.server.stop()
+            self.server, self.server_ready = None, False
+        if self.server is not None and not self.server_ready:
+            proc = self.server.procs[0]
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.server.logs[0].read_text()[-2000:]}")
+            if self._up(self.server.urls[0], "/ready"):
+                self._set_ready(pod, True)
+                self._endpoints(self.server.ports[0])
+                self.server_ready = True
+        n = 1 if self.server is not None else 0
+        self._deployment_status(self.name, n, int(self.server_ready), dep)

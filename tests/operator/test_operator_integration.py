@@ -179,8 +179,9 @@ def test_the_router_is_rendered_and_removed_when_disabled(cluster: Cluster) -> N
             what=f"{plural} {name} deleted",
         )
     wait_for(
-        lambda: cluster.get("v1", "services", NS, ROUTED)["spec"]["selector"]
-        == {c.OWNER_LABEL: ROUTED},
+        lambda: (
+            cluster.get("v1", "services", NS, ROUTED)["spec"]["selector"] == {c.OWNER_LABEL: ROUTED}
+        ),
         what="the Service over the servers again",
     )
     wait_for(lambda: any(e["reason"] == "Deleted" for e in cluster.events(NS, ROUTED)))

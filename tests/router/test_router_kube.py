@@ -70,7 +70,11 @@ def test_endpoints_follow_the_services_slices_in_the_api() -> None:
 
             await api.create(path, _slice("llm-1", "llm", [_ep("10.0.0.1", ready=True)]))
             await api.create(path, _slice("other-1", "other", [_ep("10.0.0.9", ready=True)]))
-            src = EndpointSliceSource(NS, "llm", "http", interval=0.05, client_factory=factory)
+            # changes arrive through the watch: no relist within the test (interval 60 s),
+            # and each 1-second watch stream is resumed from its last version
+            src = EndpointSliceSource(
+                NS, "llm", "http", interval=60, client_factory=factory, watch_timeout_s=1
+            )
             task = asyncio.create_task(src.run(lambda urls: seen.append(list(urls))))
             try:
                 await wait_for(["http://10.0.0.1:8000"])
@@ -98,6 +102,7 @@ def test_endpoints_follow_the_services_slices_in_the_api() -> None:
                     },
                 )
                 await wait_for(["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+                await asyncio.sleep(1.5)  # past the first stream's end: a resumed watch
                 await api.delete(f"{path}/llm-2")
                 await wait_for([])
             finally:
