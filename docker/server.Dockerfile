@@ -25,7 +25,7 @@ COPY server /src/server
 COPY kernels /src/kernels
 COPY operator /src/operator
 COPY router /src/router
-RUN pip install -c /tmp/constraints.txt "/src[demo,serve]"
+RUN pip install -c /tmp/constraints.txt "/src[demo,serve,route]"
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="kvscale-server" \

@@ -82,12 +82,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _call(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
+def _call(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=60) as rsp:
+    with urllib.request.urlopen(req, timeout=timeout) as rsp:
         raw = rsp.read().decode()
     return json.loads(raw) if raw.startswith(("{", "[")) else raw
 
@@ -159,3 +159,69 @@ def test_demo_model_serves_scales_rolls_and_goes(operator: None) -> None:
 
     kubectl("-n", NS, "delete", "llmd", "demo", "--timeout=120s")
     kubectl("-n", NS, "wait", "--for=delete", "deployment/demo", "service/demo", "--timeout=120s")
+
+
+def _events(name: str) -> list[str]:
+    out = json.loads(
+        kubectl("-n", NS, "get", "events", "--field-selector", f"involvedObject.name={name}",
+                "-o", "json")
+    )  # fmt: skip
+    return [e.get("message", "") for e in out["items"] if e.get("reason") == "SuccessfulRescale"]
+
+
+def _replicas(deployment: str) -> int:
+    return int(kubectl("-n", NS, "get", "deployment", deployment, "-o",
+                       "jsonpath={.spec.replicas}") or 0)  # fmt: skip
+
+
+def test_scale_from_zero_behind_the_router(operator: None) -> None:
+    """spec.router + minReplicas 0: the first request is held at the router and answered
+    after a cold start; after the idle window the replicas return to 0."""
+    manifest = ROOT / "e2e" / "manifests" / "llmdeployment-scale-to-zero.yaml"
+    kubectl("-n", NS, "apply", "-f", str(manifest))
+    deadline = time.monotonic() + 120
+    while True:  # the router Deployment is the operator's to create: wait for it to exist
+        try:
+            kubectl("-n", NS, "get", "deployment", "cold-router")
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    kubectl("-n", NS, "rollout", "status", "deployment/cold-router", "--timeout=600s")
+    assert _replicas("cold") == 0
+    port = _free_port()
+    forward = subprocess.Popen(  # the Service selects the router pods
+        [KUBECTL, "-n", NS, "port-forward", "svc/cold", f"{port}:8000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _call(port, "/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        t0 = time.monotonic()
+        body = {"model": "demo", "prompt": "Kubernetes is", "max_tokens": 4}
+        out = _call(port, "/v1/completions", body, timeout=660)
+        print(f"first request answered after {time.monotonic() - t0:.0f}s (0 -> 1 replica)")
+        assert out["usage"]["completion_tokens"] == 4
+    finally:
+        forward.terminate()
+        forward.wait(timeout=10)
+    assert "New size: 1; 1 request held at the router, 0 replicas -> 1" in _events("cold")
+    kubectl(
+        "-n", NS, "wait", "--for=jsonpath={.status.desiredReplicas}=0", "llmd/cold",
+        "--timeout=180s",
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while _replicas("cold") != 0:
+        assert time.monotonic() < deadline, "the Deployment did not go back to 0 replicas"
+        time.sleep(2)
+    assert any("1 replica -> 0" in m for m in _events("cold"))
+    kubectl("-n", NS, "delete", "llmd", "cold", "--timeout=120s")

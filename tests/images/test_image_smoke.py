@@ -239,6 +239,7 @@ def test_server_image_serves_drains_and_writes_only_tmp(server: Container, tmp_p
         assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
         status, metrics = _http(base + "/metrics")
         assert status == 200 and "# TYPE" in metrics
+        _route_through_the_router(server, base, tmp_path)
 
         os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()
@@ -253,6 +254,36 @@ def test_server_image_serves_drains_and_writes_only_tmp(server: Container, tmp_p
         if before.get(path) != after.get(path) and path not in BUILDAH_FILES
     }
     assert not changed, f"written outside /tmp: {sorted(changed)[:20]}"
+
+
+def _route_through_the_router(server: Container, upstream: str, tmp_path: Path) -> None:
+    """The image's ``kvscale route`` (spec.router's pods run it) in front of the server."""
+    import openai
+
+    port = _free_port()
+    log = tmp_path / "router.log"
+    cmd = ["kvscale", "route", "--upstream", upstream, "--port", str(port), "--policy", "prefix"]
+    proc = server.run(cmd, log=log)
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"router exited {proc.returncode}:\n{log.read_text()}")
+            return _http(f"http://127.0.0.1:{port}/ready")[0] == 200
+
+        wait_for(up, timeout=120, what="the router's /ready")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60)
+        done = client.completions.create(model="demo", prompt=[5, 6, 7], max_tokens=4)
+        assert done.usage.completion_tokens == 4
+    finally:
+        pid = _process(proc.pid, "kvscale")
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def test_operator_image_reconciles_an_example(images: dict[str, str], tmp_path: Path) -> None:
