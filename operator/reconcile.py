@@ -176,6 +176,28 @@ def _cached(cache: ChildCache | None, obj: Obj, ns: str, name: str) -> Obj | Non
     return None  # the router's RBAC and Service: read (only while the router is enabled)
 
 
+def _router_support(obj: Obj, name: str) -> bool:
+    """The router's RBAC objects and its replicas Service (not watched)."""
+    if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
+        return True
+    return obj["kind"] == "Service" and obj["metadata"]["name"] != name
+
+
+def _router_settled(
+    cache: ChildCache | None, objs: list[Obj], ns: str, name: str, uid: str
+) -> bool:
+    """Whether the watched router Deployment is as rendered: its RBAC objects and Service
+    were applied before it in the pass that wrote it, so a pass (e.g. for a pod event)
+    need not read them again. (One deleted by hand comes back at the next change of the
+    spec or the router Deployment.)"""
+    if cache is None:
+        return False
+    want = next(
+        (o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] != name), None
+    )
+    return want is not None and _up_to_date(cache.router(ns, name), want, uid)
+
+
 async def _prune_router(
     api: KubeClient, cache: ChildCache | None, ns: str, name: str, uid: str
 ) -> list[tuple[str, str, str]]:
@@ -290,7 +312,11 @@ async def reconcile(
         out.retry = bool(out.problems)  # a Secret may appear
     if spec is not None and not out.problems:
         try:
-            for obj in render.render_all(llmd, spec, config, desired):
+            objs = render.render_all(llmd, spec, config, desired)
+            settled = _router_settled(cache, objs, ns, name, uid)
+            for obj in objs:
+                if settled and _router_support(obj, name):
+                    continue
                 cached = _cached(cache, obj, ns, name)
                 live, action = await apply(api, obj, uid, cached)
                 if obj["kind"] == "Deployment" and obj["metadata"]["name"] == name:

@@ -136,58 +136,6 @@ def test_printer_columns(cluster: Cluster) -> None:
     assert not {"ngram", "draft"} & set(methods["qwen"])
 
 
-ROUTED = "qwen-routed"  # examples/llmdeployment-router-scale-to-zero.yaml
-ROUTER_OBJECTS = [
-    ("v1", "serviceaccounts", f"{ROUTED}-router"),
-    ("rbac.authorization.k8s.io/v1", "roles", f"{ROUTED}-router"),
-    ("rbac.authorization.k8s.io/v1", "rolebindings", f"{ROUTED}-router"),
-    ("v1", "services", f"{ROUTED}-replicas"),
-    (APPS, "deployments", f"{ROUTED}-router"),
-]
-
-
-def test_the_router_is_rendered_and_removed_when_disabled(cluster: Cluster) -> None:
-    for api, plural, name in ROUTER_OBJECTS:
-        wait_for(lambda a=api, p=plural, n=name: cluster.get(a, p, NS, n), what=f"{plural} {name}")
-    router = cluster.get(APPS, "deployments", NS, f"{ROUTED}-router")
-    pod = router["spec"]["template"]["spec"]
-    assert pod["serviceAccountName"] == f"{ROUTED}-router"
-    args = pod["containers"][0]["args"]
-    assert args[args.index("--endpoint-slices") + 1] == f"{NS}/{ROUTED}-replicas"
-    assert args[args.index("--tokenizer") + 1] == "/tokenizer"
-    assert [ctr["name"] for ctr in pod["initContainers"]] == ["tokenizer-download"]
-    assert router["spec"]["replicas"] == 2
-    # the Service selects the router pods; the headless one the servers, for the router
-    svc = wait_for(lambda: cluster.get("v1", "services", NS, ROUTED), what="the Service")
-    assert svc["spec"]["selector"] == {c.ROUTER_LABEL: ROUTED}
-    replicas = cluster.get("v1", "services", NS, f"{ROUTED}-replicas")
-    assert replicas["spec"]["selector"] == {c.OWNER_LABEL: ROUTED}
-    assert replicas["spec"]["clusterIP"] == "None"
-    role = cluster.get("rbac.authorization.k8s.io/v1", "roles", NS, f"{ROUTED}-router")
-    assert {(r["apiGroups"][0], r["resources"][0]) for r in role["rules"]} == {
-        ("discovery.k8s.io", "endpointslices"),
-        ("", "pods"),
-    }
-    # the server Deployment is still the one the status and the pods' selector follow
-    assert cluster.llmd(NS, ROUTED)["status"]["selector"] == f"{c.OWNER_LABEL}={ROUTED}"
-
-    patch = '{"spec": {"router": {"enabled": false}, "autoscaling": {"minReplicas": 1}}}'
-    cluster.kubectl("patch", "llmd", ROUTED, "--type=merge", "-p", patch)
-    for api, plural, name in ROUTER_OBJECTS:
-        wait_for(
-            lambda a=api, p=plural, n=name: cluster.get(a, p, NS, n) is None,
-            what=f"{plural} {name} deleted",
-        )
-    wait_for(
-        lambda: (
-            cluster.get("v1", "services", NS, ROUTED)["spec"]["selector"] == {c.OWNER_LABEL: ROUTED}
-        ),
-        what="the Service over the servers again",
-    )
-    wait_for(lambda: any(e["reason"] == "Deleted" for e in cluster.events(NS, ROUTED)))
-    cluster.kubectl("delete", "llmd", ROUTED, "--timeout=20s")
-
-
 def test_missing_secret_is_degraded_then_recovers(cluster: Cluster) -> None:
     degraded = wait_for(
         lambda: (
@@ -279,6 +227,97 @@ def test_missing_secret_is_degraded_then_recovers(cluster: Cluster) -> None:
         what="the speculative LLMDeployment no longer degraded",
     )
     assert not any(e["reason"] == "NotSupported" for e in cluster.events(NS, "llama-70b-spec"))
+
+
+ROUTED = "qwen-routed"  # examples/llmdeployment-router-scale-to-zero.yaml
+ROUTER_OBJECTS = [
+    ("v1", "serviceaccounts", f"{ROUTED}-router"),
+    ("rbac.authorization.k8s.io/v1", "roles", f"{ROUTED}-router"),
+    ("rbac.authorization.k8s.io/v1", "rolebindings", f"{ROUTED}-router"),
+    ("v1", "services", f"{ROUTED}-replicas"),
+    (APPS, "deployments", f"{ROUTED}-router"),
+]
+
+
+def test_the_router_is_rendered_and_removed_when_disabled(cluster: Cluster) -> None:
+    for api, plural, name in ROUTER_OBJECTS:
+        wait_for(lambda a=api, p=plural, n=name: cluster.get(a, p, NS, n), what=f"{plural} {name}")
+    router = cluster.get(APPS, "deployments", NS, f"{ROUTED}-router")
+    pod = router["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{ROUTED}-router"
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--endpoint-slices") + 1] == f"{NS}/{ROUTED}-replicas"
+    assert args[args.index("--tokenizer") + 1] == "/tokenizer"
+    assert [ctr["name"] for ctr in pod["initContainers"]] == ["tokenizer-download"]
+    assert router["spec"]["replicas"] == 2
+    # the Service selects the router pods; the headless one the servers, for the router
+    svc = wait_for(lambda: cluster.get("v1", "services", NS, ROUTED), what="the Service")
+    assert svc["spec"]["selector"] == {c.ROUTER_LABEL: ROUTED}
+    replicas = cluster.get("v1", "services", NS, f"{ROUTED}-replicas")
+    assert replicas["spec"]["selector"] == {c.OWNER_LABEL: ROUTED}
+    assert replicas["spec"]["clusterIP"] == "None"
+    role = cluster.get("rbac.authorization.k8s.io/v1", "roles", NS, f"{ROUTED}-router")
+    assert {(r["apiGroups"][0], r["resources"][0]) for r in role["rules"]} == {
+        ("discovery.k8s.io", "endpointslices"),
+        ("", "pods"),
+    }
+    # the server Deployment is still the one the status and the pods' selector follow
+    assert cluster.llmd(NS, ROUTED)["status"]["selector"] == f"{c.OWNER_LABEL}={ROUTED}"
+
+    # a server pod's event is answered from the indexes: the watched router Deployment is
+    # as rendered, so its RBAC objects and Service are not read again
+    def router_reads() -> int:
+        kinds = ("serviceaccounts", "roles", "rolebindings")
+        return sum(
+            1
+            for r in cluster.operator_requests()
+            if r.method.value == "GET" and r.resource is not None and r.resource.plural in kinds
+        )
+
+    cluster.quiet()
+    before = router_reads()
+    pod = f"{ROUTED}-abc12"
+    cluster.emu.create(
+        "v1",
+        "pods",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod,
+                "namespace": NS,
+                "labels": {c.OWNER_LABEL: ROUTED, c.MANAGED_BY_LABEL: c.MANAGER},
+            },
+            "spec": {"containers": [{"name": "server", "image": "kvscale-server:test"}]},
+        },
+    )
+    unschedulable = {
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+    }  # fmt: skip
+    cluster.emu.set_status(
+        "v1", "pods", NS, pod, {"phase": "Pending", "conditions": [unschedulable]}
+    )
+    wait_for(lambda: cluster.condition(NS, ROUTED, c.DEGRADED).get("reason") == "Unschedulable")
+    assert router_reads() == before
+    cluster.emu.delete("v1", "pods", NS, pod)
+
+    patch = '{"spec": {"router": {"enabled": false}, "autoscaling": {"minReplicas": 1}}}'
+    cluster.kubectl("patch", "llmd", ROUTED, "--type=merge", "-p", patch)
+    for api, plural, name in ROUTER_OBJECTS:
+        wait_for(
+            lambda a=api, p=plural, n=name: cluster.get(a, p, NS, n) is None,
+            what=f"{plural} {name} deleted",
+        )
+    wait_for(
+        lambda: (
+            cluster.get("v1", "services", NS, ROUTED)["spec"]["selector"] == {c.OWNER_LABEL: ROUTED}
+        ),
+        what="the Service over the servers again",
+    )
+    wait_for(lambda: any(e["reason"] == "Deleted" for e in cluster.events(NS, ROUTED)))
+    cluster.kubectl("delete", "llmd", ROUTED, "--timeout=20s")
 
 
 def test_ready_when_the_pods_are(cluster: Cluster) -> None:
