@@ -28,6 +28,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
@@ -71,9 +72,8 @@ class Hello:
     top_m: int  # width of a sampled draft's q
 
 
-@dataclass(frozen=True)
-class SeqUpdate:
-    """One sequence of a PROPOSE frame."""
+class SeqUpdate(NamedTuple):
+    """One sequence of a PROPOSE frame (a NamedTuple: 64 of them are built every step)."""
 
     seq_id: int
     keep: int
@@ -140,20 +140,21 @@ def encode_propose(updates: Sequence[SeqUpdate]) -> bytes:
     """Raises ProtocolError for values the format cannot carry (negative counts, k over
     65535, token ids outside int32)."""
     b = len(updates)
-    rec = np.zeros(b, dtype=RECORD)
-    for u in updates:
+    for u in updates:  # checks on plain ints and floats (cheap; numpy would wrap them)
         if u.keep < 0 or not 0 <= u.k <= 0xFFFF:
             raise ProtocolError(f"seq {u.seq_id}: keep={u.keep}, k={u.k} out of range")
-        if not math.isfinite(u.temperature) or u.temperature < 0:
+        if not (0 <= u.temperature < math.inf):
             raise ProtocolError(f"seq {u.seq_id}: temperature={u.temperature}")
-    if b:
-        rec["seq_id"] = [u.seq_id for u in updates]
-        rec["keep"] = [u.keep for u in updates]
-        rec["num_new"] = [len(u.new_tokens) for u in updates]
-        rec["k"] = [u.k for u in updates]
-        rec["temperature"] = [u.temperature for u in updates]
-        rec["has_seed"] = [u.seed is not None for u in updates]
-        rec["seed"] = [0 if u.seed is None else int(u.seed) & _MASK64 for u in updates]
+    rec = np.array(
+        [
+            (
+                u.seq_id, u.keep, len(u.new_tokens), u.k, u.temperature,
+                u.seed is not None, 0 if u.seed is None else int(u.seed) & _MASK64,
+            )
+            for u in updates
+        ],
+        dtype=RECORD,
+    )  # fmt: skip
     flat = np.fromiter(chain.from_iterable(u.new_tokens for u in updates), dtype=np.int64)
     if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
         bad = next(u.seq_id for u in updates if any(not 0 <= t < 2**31 for t in u.new_tokens))

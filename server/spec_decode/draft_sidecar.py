@@ -133,10 +133,10 @@ class _Session:
         t0 = time.perf_counter()
         p = self.runner.propose(reqs)
         compute = time.perf_counter() - t0
-        for i, r in enumerate(reqs):
-            n = int(p.num_tokens[i])
+        drafts = p.tokens.tolist()  # one conversion, not one per row
+        for r, n, row in zip(reqs, p.num_tokens.tolist(), drafts, strict=True):
             if n:
-                r.token_ids.extend(p.tokens[i, :n].tolist())  # type: ignore[attr-defined]
+                r.token_ids.extend(row[:n])  # type: ignore[attr-defined]
         return encode_proposal(p, compute)
 
     def release(self, frame: ReleaseFrame) -> None:
@@ -421,14 +421,15 @@ class SidecarProposer:
             raise ProtocolError(f"expected PROPOSAL, got {type(reply).__name__}")
         p = reply.proposal
         valid = self._check(p, requests, b, kmax)
+        drafts = p.tokens.tolist()  # one conversion, not one per row
+        nums = p.num_tokens.tolist()
         for i, r in enumerate(requests):  # what the sidecar now holds, updated in place
             keep, new, length = sent[i]
             held = self._held.setdefault(r.seq_id, [])
             del held[keep:]
             held.extend(new)
-            n = int(p.num_tokens[i])
-            if n:
-                held.extend(p.tokens[i, :n].tolist())
+            if nums[i]:
+                held.extend(drafts[i][: nums[i]])
             self._base[r.seq_id] = length
         self._drop_rows_past_vocab(p, valid)
         self.last_round_trip_s = time.monotonic() - t0

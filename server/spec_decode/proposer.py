@@ -15,9 +15,10 @@ from typing import Protocol
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DraftRequest:
-    """One sequence to draft for."""
+    """One sequence to draft for (read-only by convention: not frozen, because a frozen
+    dataclass costs several times more to build, and a step builds one per sequence)."""
 
     seq_id: int
     # its accepted tokens: prompt + output (no placeholders). Accepted tokens are final:
