@@ -311,3 +311,62 @@ def test_killed_replica_costs_no_request_that_had_not_started(cluster: dict[str,
         == 2
     )
     assert rmetric(m, "kvscale_router:replica_ready", replica=victim.url) == 0
+
+
+def test_a_draining_replica_gets_nothing_new(cluster: dict[str, Any]) -> None:
+    """Runs after the kill: SIGTERM makes a server drain (its /ready answers 503, requests
+    in flight finish); the router takes it out of the rotation, its prefixes go elsewhere,
+    and its stream ends normally."""
+    servers: list[ServerProcess] = cluster["servers"]
+    router: RouterProcess = cluster["prefix"]
+    drained, other = servers[1], servers[2]
+    ring = HashRing([s.url for s in servers])
+
+    def homed_at(url: str, salt: int) -> list[int]:
+        for i in range(10_000):
+            ids = [100 + (salt * 7717 + i * 37 + j) % 4000 for j in range(4 * BLOCK)]
+            if next(ring.walk(prefix_key(ids, BLOCK, 4))) == url:  # type: ignore[arg-type]
+                return ids
+        raise AssertionError("no prompt found")
+
+    done: dict[str, Any] = {"lines": [], "error": None}
+
+    def stream() -> None:
+        body = {
+            "model": "tiny", "prompt": homed_at(drained.url, 1), "max_tokens": 300,
+            "ignore_eos": True, "temperature": 0, "stream": True,
+        }  # fmt: skip
+        try:
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    done["lines"].append(line)
+        except Exception as e:
+            done["error"] = repr(e)
+
+    key = {"replica": drained.url, "outcome": "2xx"}
+    before = rmetric(router.metrics(), "kvscale_router:requests_total", **key)
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not done["lines"]:
+        assert time.monotonic() < deadline and t.is_alive(), done
+        time.sleep(0.02)
+    drained.signal(signal.SIGTERM)
+    while rmetric(router.metrics(), "kvscale_router:replica_ready", replica=drained.url) != 0:
+        assert time.monotonic() < deadline, "the router kept the draining replica"
+        time.sleep(0.05)
+    other_before = metric(
+        other.metrics(), "kvscale:request_success_total", finished_reason="length"
+    )
+    for k in range(3):  # its prefixes now go to another replica
+        body = {"model": "tiny", "prompt": homed_at(drained.url, 50 + k), "max_tokens": 4}
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    t.join(120)
+    assert done["error"] is None, done
+    assert "data: [DONE]" in done["lines"][-2:], done["lines"][-3:]  # finished, not cut
+    assert drained.wait_exit(60) == 0
+    m = router.metrics()
+    assert rmetric(m, "kvscale_router:requests_total", **key) - before == 1  # the stream only
+    after = metric(other.metrics(), "kvscale:request_success_total", finished_reason="length")
+    assert after - other_before == 3
