@@ -3,6 +3,7 @@ the server through its Service, scale it, change it, delete it. CPU only (demo m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -82,6 +83,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _port_forward(target: str, remote_port: int, probe: str) -> Iterator[int]:
+    """``kubectl port-forward`` to ``target`` on a free local port, once ``probe`` answers."""
+    port = _free_port()
+    forward = subprocess.Popen(
+        [KUBECTL, "-n", NS, "port-forward", target, f"{port}:{remote_port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _call(port, probe)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield port
+    finally:
+        forward.terminate()
+        forward.wait(timeout=10)
+
+
 def _call(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
@@ -100,31 +126,14 @@ def test_demo_model_serves_scales_rolls_and_goes(operator: None) -> None:
         "http://demo.kvscale-e2e.svc"
     )
 
-    port = _free_port()
-    forward = subprocess.Popen(
-        [KUBECTL, "-n", NS, "port-forward", "svc/demo", f"{port}:8000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                models = _call(port, "/v1/models")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+    with _port_forward("svc/demo", 8000, "/v1/models") as port:
+        models = _call(port, "/v1/models")
         assert [m["id"] for m in models["data"]] == ["demo"]
         out = _call(
             port, "/v1/completions", {"model": "demo", "prompt": "Kubernetes is", "max_tokens": 4}
         )
         assert out["choices"][0]["text"] is not None
         assert "kvscale:kv_cache_usage_perc" in _call(port, "/metrics")
-    finally:
-        forward.terminate()
-        forward.wait(timeout=10)
 
     kubectl("-n", NS, "scale", "llmd", "demo", "--replicas=2")
     kubectl(
@@ -190,30 +199,12 @@ def test_scale_from_zero_behind_the_router(operator: None) -> None:
             time.sleep(2)
     kubectl("-n", NS, "rollout", "status", "deployment/cold-router", "--timeout=600s")
     assert _replicas("cold") == 0
-    port = _free_port()
-    forward = subprocess.Popen(  # the Service selects the router pods
-        [KUBECTL, "-n", NS, "port-forward", "svc/cold", f"{port}:8000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _call(port, "/health")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+    with _port_forward("svc/cold", 8000, "/health") as port:  # the Service: router pods
         t0 = time.monotonic()
         body = {"model": "demo", "prompt": "Kubernetes is", "max_tokens": 4}
         out = _call(port, "/v1/completions", body, timeout=660)
         print(f"first request answered after {time.monotonic() - t0:.0f}s (0 -> 1 replica)")
         assert out["usage"]["completion_tokens"] == 4
-    finally:
-        forward.terminate()
-        forward.wait(timeout=10)
     assert "New size: 1; 1 request held at the router, 0 replicas -> 1" in _events("cold")
     kubectl(
         "-n", NS, "wait", "--for=jsonpath={.status.desiredReplicas}=0", "llmd/cold",

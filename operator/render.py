@@ -164,13 +164,31 @@ def _download_container(
     source: ModelSource, slot: str, spec: LLMDeploymentSpec, config: OperatorConfig
 ) -> Obj | None:
     """The init container that fetches hf:// or s3:// weights into the cache volume."""
+    mount = {"name": CACHE_VOLUME, "mountPath": c.MODEL_ROOT}
+    return fetch_container(
+        source, spec, config, f"{slot}-download", model_path(source, slot), mount
+    )
+
+
+def fetch_container(
+    source: ModelSource,
+    spec: LLMDeploymentSpec,
+    config: OperatorConfig,
+    name: str,
+    dest: str,
+    mount: Obj,
+    only: tuple[str, ...] = (),
+) -> Obj | None:
+    """An init container that downloads an hf:// or s3:// source to ``dest`` (in the volume
+    ``mount``), or only the files named in ``only``; None for other schemes."""
     if not source.needs_download:
         return None
-    dest = model_path(source, slot)
     env = [{"name": "HOME", "value": "/tmp"}]
     if source.scheme == "hf":
         image = spec.image or config.server_image
         cmd = ["hf", "download", source.location, "--local-dir", dest]
+        if only:
+            cmd += ["--include", *only]
         if source.revision:
             cmd += ["--revision", source.revision]
         env += [
@@ -180,16 +198,17 @@ def _download_container(
     else:
         image = config.s3_downloader_image
         cmd = ["aws", "s3", "sync", source.source, dest, "--only-show-errors"]
+        if only:
+            cmd += ["--exclude", "*"]
+            for f in only:
+                cmd += ["--include", f]
     container: Obj = {
-        "name": f"{slot}-download",
+        "name": name,
         "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": cmd,
         "env": env,
-        "volumeMounts": [
-            {"name": CACHE_VOLUME, "mountPath": c.MODEL_ROOT},
-            {"name": TMP_VOLUME, "mountPath": "/tmp"},
-        ],
+        "volumeMounts": [mount, {"name": TMP_VOLUME, "mountPath": "/tmp"}],
         "securityContext": _container_security(),
     }
     if source.credentials:

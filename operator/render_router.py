@@ -23,6 +23,7 @@ from kvscale.operator.render import (
     _metadata,
     _resources,
     _stamp,
+    fetch_container,
     replicas_service_name,
     router_labels,
     router_name,
@@ -69,44 +70,6 @@ def tokenizer_path(source: ModelSource) -> str | None:
         root = f"{c.TOKENIZER_ROOT}-pvc"
         return f"{root}/{source.pvc_path}" if source.pvc_path else root
     return c.TOKENIZER_ROOT
-
-
-def _tokenizer_download(source: ModelSource, spec: LLMDeploymentSpec, config: OperatorConfig):  # type: ignore[no-untyped-def]
-    """The init container that fetches only the tokenizer files of an hf:// or s3:// model."""
-    if not source.needs_download:
-        return None
-    env = [{"name": "HOME", "value": "/tmp"}]
-    if source.scheme == "hf":
-        image = spec.image or config.server_image
-        cmd = ["hf", "download", source.location, "--local-dir", c.TOKENIZER_ROOT, "--include"]
-        cmd += list(TOKENIZER_FILES)
-        if source.revision:
-            cmd += ["--revision", source.revision]
-        env += [
-            {"name": "HF_HOME", "value": "/tmp/hf"},
-            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        ]
-    else:
-        image = config.s3_downloader_image
-        cmd = ["aws", "s3", "sync", source.source, c.TOKENIZER_ROOT, "--only-show-errors"]
-        cmd += ["--exclude", "*"]
-        for f in TOKENIZER_FILES:
-            cmd += ["--include", f]
-    ctr: Obj = {
-        "name": "tokenizer-download",
-        "image": image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": cmd,
-        "env": env,
-        "volumeMounts": [
-            {"name": TOKENIZER_VOLUME, "mountPath": c.TOKENIZER_ROOT},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-        "securityContext": _container_security(),
-    }
-    if source.credentials:
-        ctr["envFrom"] = [{"secretRef": {"name": source.credentials.name}}]
-    return ctr
 
 
 def router_args(llmd: Mapping[str, Any], spec: LLMDeploymentSpec) -> list[str]:
@@ -165,7 +128,11 @@ def render_router_deployment(
     elif wants_tokenizer:
         mounts.append({"name": TOKENIZER_VOLUME, "mountPath": c.TOKENIZER_ROOT, "readOnly": True})
         volumes.append({"name": TOKENIZER_VOLUME, "emptyDir": {}})
-        init.append(_tokenizer_download(source, spec, config))
+        mount = {"name": TOKENIZER_VOLUME, "mountPath": c.TOKENIZER_ROOT}
+        fetch = fetch_container(
+            source, spec, config, "tokenizer-download", c.TOKENIZER_ROOT, mount, TOKENIZER_FILES
+        )
+        init.append(fetch)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
     container: Obj = {
         "name": "router",

@@ -246,40 +246,52 @@ def read_metrics(url: str, timeout: float = 2.0) -> dict[str, float]:
 # --- the Deployment controller + kubelet -------------------------------------------------------
 
 
-class FakeKubelet:
-    """Keeps pods ``<name>-0..N-1`` Ready for a Deployment of N replicas (N capped at the
-    number of servers), deletes the others, and reports the Deployment's status."""
+class ControllerLoop:
+    """Calls ``sync()`` every ``period`` seconds in a daemon thread between ``start()`` and
+    ``stop()``; an exception is recorded in ``errors`` (tests check it) and the loop goes on,
+    as a controller would."""
 
-    def __init__(
-        self, emu: EmulatorThread, namespace: str, name: str, ports: Sequence[int], period=0.2
-    ) -> None:
-        self.emu, self.ns, self.name, self.ports = emu, namespace, name, list(ports)
+    def __init__(self, name: str, period: float = 0.2) -> None:
         self.period = period
-        self.ready: list[int] = []  # indexes of ready pods
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fake-kubelet", daemon=True)
         self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def pod_name(self, i: int) -> str:
-        return f"{self.name}-{i}"
-
-    def ready_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{self.ports[i]}" for i in list(self.ready)]
+    def sync(self) -> None:
+        raise NotImplementedError
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=20)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.sync()
-            except Exception as e:  # keep playing the controller; tests look at .errors
+            except Exception as e:
                 self.errors.append(repr(e))
             self._stop.wait(self.period)
+
+
+class FakeKubelet(ControllerLoop):
+    """Keeps pods ``<name>-0..N-1`` Ready for a Deployment of N replicas (N capped at the
+    number of servers), deletes the others, and reports the Deployment's status."""
+
+    def __init__(
+        self, emu: EmulatorThread, namespace: str, name: str, ports: Sequence[int], period=0.2
+    ) -> None:
+        super().__init__("fake-kubelet", period)
+        self.emu, self.ns, self.name, self.ports = emu, namespace, name, list(ports)
+        self.ready: list[int] = []  # indexes of ready pods
+
+    def pod_name(self, i: int) -> str:
+        return f"{self.name}-{i}"
+
+    def ready_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.ports[i]}" for i in list(self.ready)]
 
     def _pod(self, template: dict[str, Any], i: int) -> dict[str, Any]:
         meta = template.get("metadata") or {}
@@ -431,7 +443,7 @@ def background(fn: Callable[[], None], name: str) -> Iterator[threading.Thread]:
 # --- scale from zero: pods that start cold -------------------------------------------------------
 
 
-class ColdStartKubelet:
+class ColdStartKubelet(ControllerLoop):
     """The Deployment controller, kubelet and EndpointSlice controller for one LLMDeployment
     with ``spec.router``, starting real processes on demand:
 
@@ -446,6 +458,7 @@ class ColdStartKubelet:
     def __init__(
         self, emu: EmulatorThread, namespace: str, name: str, kubeconfig: Path, workdir: Path
     ) -> None:
+        super().__init__("cold-kubelet")
         self.emu, self.ns, self.name = emu, namespace, name
         self.kubeconfig, self.workdir = kubeconfig, workdir
         self.router_port = free_port()
@@ -455,29 +468,14 @@ class ColdStartKubelet:
         self.server: ServerProcesses | None = None
         self.server_ready = False
         self.cold_starts = 0
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cold-kubelet", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=20)
+        super().stop()
         if self.server is not None:
             self.server.stop()
         if self.router is not None and self.router.poll() is None:
             self.router.kill()
             self.router.wait(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sync()
-            except Exception as e:  # keep playing the controllers; tests look at .errors
-                self.errors.append(repr(e))
-            self._stop.wait(0.2)
 
     @staticmethod
     def _up(url: str, path: str) -> bool:

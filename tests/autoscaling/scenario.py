@@ -38,9 +38,8 @@ from tests.autoscaling.harness import (
     wait_until,
 )
 from tests.k8s_emulator.runner import EmulatorThread
-from tests.operator.harness import Kubectl, Operator
+from tests.operator.harness import Operator, emulated_cluster
 
-ROOT = Path(__file__).resolve().parents[2]
 NS = "ml"
 NAME = "demo"
 LLMD_API = c.API_VERSION
@@ -145,12 +144,7 @@ def run_scenario(
         servers = ServerProcesses(workdir, args, p.max_replicas)
         stack.callback(servers.stop)
         emu = stack.enter_context(EmulatorThread())
-        kubeconfig = emu.write_kubeconfig(workdir / "kubeconfig", namespace=NS)
-        kubectl = Kubectl(kubeconfig)
-        kubectl("apply", "-f", str(ROOT / "crds"))
-        kubectl(
-            "apply", "-f", "-", input=f"apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {NS}\n"
-        )
+        kubeconfig, kubectl = emulated_cluster(emu, workdir, NS)
         targets = [
             ScrapeTarget(f"127.0.0.1:{port}", NS, f"{NAME}-{i}", NAME)
             for i, port in enumerate(servers.ports)

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,12 +27,12 @@ from tests.k8s_emulator.runner import EmulatorThread
 from tests.operator.harness import (
     Kubectl,
     Operator,
+    emulated_cluster,
     granted_permissions,
     used_permissions,
     wait_for,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 NS, NAME = "ml", "auto"
 APPS = "apps/v1"
 INTERVAL, WINDOW = 1, 4
@@ -136,12 +135,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     pods = [MetricsPod() for _ in range(3)]
     with EmulatorThread() as emu:
         root = tmp_path_factory.mktemp("autoscaler")
-        kubeconfig = emu.write_kubeconfig(root / "kubeconfig", namespace=NS)
-        kubectl = Kubectl(kubeconfig)
-        kubectl("apply", "-f", str(ROOT / "crds"))
-        kubectl(
-            "apply", "-f", "-", input=f"apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {NS}\n"
-        )
+        kubeconfig, kubectl = emulated_cluster(emu, root, NS)
         ports = {"op-a": free_port(), "op-b": free_port()}
         operators = {}
         for identity, port in ports.items():

@@ -61,6 +61,28 @@ class Kubectl:
         return json.loads(self(*args, "-o", "json"))
 
 
+def install_crd_and_namespace(kubectl: Kubectl, namespace: str) -> None:
+    """``kubectl apply`` the project's CRD and a namespace (what every emulated cluster of
+    the tests starts with)."""
+    root = Path(__file__).resolve().parents[2]
+    kubectl("apply", "-f", str(root / "crds"))
+    kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=f"apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {namespace}\n",
+    )
+
+
+def emulated_cluster(emu: EmulatorThread, workdir: Path, namespace: str) -> tuple[Path, Kubectl]:
+    """A kubeconfig for ``emu`` (default namespace ``namespace``) and a ``kubectl`` on it,
+    after installing the CRD and the namespace."""
+    kubeconfig = emu.write_kubeconfig(workdir / "kubeconfig", namespace=namespace)
+    kubectl = Kubectl(kubeconfig)
+    install_crd_and_namespace(kubectl, namespace)
+    return kubeconfig, kubectl
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,8 +20,8 @@ from tests.k8s_emulator.runner import EmulatorThread
 from tests.operator.conftest import ROOT
 from tests.operator.harness import (
     Cluster,
-    Kubectl,
     Operator,
+    emulated_cluster,
     granted_permissions,
     used_permissions,
     wait_for,
@@ -36,12 +36,7 @@ LLMD_API = "serving.kvscale.dev/v1alpha1"
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("operator")
     with EmulatorThread() as emu:
-        kubeconfig = emu.write_kubeconfig(workdir / "kubeconfig", namespace=NS)
-        kubectl = Kubectl(kubeconfig)
-        kubectl("apply", "-f", str(ROOT / "crds"))
-        kubectl(
-            "apply", "-f", "-", input=f"apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {NS}\n"
-        )
+        kubeconfig, kubectl = emulated_cluster(emu, workdir, NS)
         operator = Operator(kubeconfig, workdir)
         operator.start()
         try:

@@ -17,8 +17,13 @@ import certifi
 import pytest
 
 from tests.k8s_emulator.runner import EmulatorThread
-from tests.operator.conftest import ROOT
-from tests.operator.harness import Cluster, Kubectl, Operator, wait_for
+from tests.operator.harness import (
+    Cluster,
+    Kubectl,
+    Operator,
+    install_crd_and_namespace,
+    wait_for,
+)
 
 NS = "ml"
 LLMD = """apiVersion: serving.kvscale.dev/v1alpha1
@@ -41,10 +46,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # operator reads its token from the file, as in a pod.
         kubectl = Kubectl(emu.write_kubeconfig(workdir / "admin", namespace=NS))
         kubeconfig = emu.write_kubeconfig(workdir / "kubeconfig", namespace=NS, token_file=token)
-        kubectl("apply", "-f", str(ROOT / "crds"))
-        kubectl(
-            "apply", "-f", "-", input=f"apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {NS}\n"
-        )
+        install_crd_and_namespace(kubectl, NS)
         operator = Operator(kubeconfig, workdir)
         operator.start()
         try:

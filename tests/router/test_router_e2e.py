@@ -61,6 +61,15 @@ def cluster(
     return {"servers": servers, **routers}
 
 
+def homed_at(ring: HashRing, url: str, salt: int) -> list[int]:
+    """A 4-block token-id prompt whose routing key's home replica is ``url``."""
+    for i in range(10_000):
+        ids = [100 + (salt * 7919 + i * 31 + j) % 4000 for j in range(4 * BLOCK)]
+        if next(ring.walk(prefix_key(ids, BLOCK, 4))) == url:  # type: ignore[arg-type]
+            return ids
+    raise AssertionError("no prompt found")
+
+
 def _idle(servers: list[ServerProcess]) -> list[dict[str, float]]:
     """Every server's /metrics once none runs or queues a sequence (bounded wait)."""
     for _ in range(200):
@@ -251,13 +260,6 @@ def test_killed_replica_costs_no_request_that_had_not_started(cluster: dict[str,
     ring = HashRing(urls)
     victim = servers[0]
 
-    def prompt_homed_at(url: str, salt: int) -> list[int]:
-        for i in range(10_000):
-            ids = [100 + (salt * 7919 + i * 31 + j) % 4000 for j in range(4 * BLOCK)]
-            if next(ring.walk(prefix_key(ids, BLOCK, 4))) == url:  # type: ignore[arg-type]
-                return ids
-        raise AssertionError("no prompt found")
-
     results: dict[int, dict[str, Any]] = {}
 
     def stream(i: int, ids: list[int]) -> None:
@@ -282,7 +284,7 @@ def test_killed_replica_costs_no_request_that_had_not_started(cluster: dict[str,
     threads = []
     deadline = time.monotonic() + 60
     for i, s in enumerate(servers * 2):
-        t = threading.Thread(target=stream, args=(i, prompt_homed_at(s.url, i)))
+        t = threading.Thread(target=stream, args=(i, homed_at(ring, s.url, i)))
         t.start()
         threads.append(t)
         while not results.get(i, {}).get("started"):
@@ -292,7 +294,7 @@ def test_killed_replica_costs_no_request_that_had_not_started(cluster: dict[str,
     victim.wait_exit(10)
     # new requests homed at the dead replica: refused there, retried elsewhere
     for k in range(3):
-        body = {"model": "tiny", "prompt": prompt_homed_at(victim.url, 100 + k), "max_tokens": 4}
+        body = {"model": "tiny", "prompt": homed_at(ring, victim.url, 100 + k), "max_tokens": 4}
         r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
     for t in threads:
@@ -322,18 +324,11 @@ def test_a_draining_replica_gets_nothing_new(cluster: dict[str, Any]) -> None:
     drained, other = servers[1], servers[2]
     ring = HashRing([s.url for s in servers])
 
-    def homed_at(url: str, salt: int) -> list[int]:
-        for i in range(10_000):
-            ids = [100 + (salt * 7717 + i * 37 + j) % 4000 for j in range(4 * BLOCK)]
-            if next(ring.walk(prefix_key(ids, BLOCK, 4))) == url:  # type: ignore[arg-type]
-                return ids
-        raise AssertionError("no prompt found")
-
     done: dict[str, Any] = {"lines": [], "error": None}
 
     def stream() -> None:
         body = {
-            "model": "tiny", "prompt": homed_at(drained.url, 1), "max_tokens": 300,
+            "model": "tiny", "prompt": homed_at(ring, drained.url, 1001), "max_tokens": 300,
             "ignore_eos": True, "temperature": 0, "stream": True,
         }  # fmt: skip
         try:
@@ -359,7 +354,11 @@ def test_a_draining_replica_gets_nothing_new(cluster: dict[str, Any]) -> None:
         other.metrics(), "kvscale:request_success_total", finished_reason="length"
     )
     for k in range(3):  # its prefixes now go to another replica
-        body = {"model": "tiny", "prompt": homed_at(drained.url, 50 + k), "max_tokens": 4}
+        body = {
+            "model": "tiny",
+            "prompt": homed_at(ring, drained.url, 1050 + k),
+            "max_tokens": 4,
+        }
         r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
     t.join(120)
