@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -106,6 +107,7 @@ class EndpointSliceSource:
                     slices = {s["metadata"]["name"]: s for s in items}
                     publish(slices)
                     while True:  # watch until an error; each stream ends after a timeout
+                        began = time.monotonic()
                         async for event in client.watch(
                             self.path, version, selector, self.watch_timeout_s
                         ):
@@ -118,6 +120,8 @@ class EndpointSliceSource:
                             elif kind == "DELETED":
                                 slices.pop(obj["metadata"]["name"], None)
                             publish(slices)
+                        if time.monotonic() - began < 1.0:  # ended at once: do not spin
+                            await asyncio.sleep(min(1.0, self.interval))
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # keep the last set; list and watch again
