@@ -246,6 +246,43 @@ def read_metrics(url: str, timeout: float = 2.0) -> dict[str, float]:
 # --- the Deployment controller + kubelet -------------------------------------------------------
 
 
+def pod_from_template(template: dict[str, Any], ns: str, name: str, port: int) -> dict[str, Any]:
+    """A pod of a Deployment's ``template`` whose metrics are at 127.0.0.1:``port`` (the
+    ``prometheus.io/port`` annotation; every test pod has podIP 127.0.0.1)."""
+    meta = template.get("metadata") or {}
+    notes = {**(meta.get("annotations") or {}), "prometheus.io/port": str(port)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": dict(meta.get("labels") or {}),
+            "annotations": notes,
+        },
+        "spec": template.get("spec") or {},
+    }
+
+
+def write_deployment_status(
+    emu: EmulatorThread, dep: dict[str, Any], replicas: int, ready: int, **extra: Any
+) -> None:
+    """The Deployment controller's status for ``replicas`` pods of which ``ready`` are
+    ready (written only when it changed)."""
+    status = {
+        "observedGeneration": dep["metadata"].get("generation"),
+        "replicas": replicas,
+        "updatedReplicas": replicas,
+        "readyReplicas": ready,
+        "availableReplicas": ready,
+        **extra,
+    }
+    have = dep.get("status") or {}
+    if any(have.get(k) != v for k, v in status.items()):
+        meta = dep["metadata"]
+        emu.set_status(APPS, "deployments", meta["namespace"], meta["name"], status)
+
+
 class ControllerLoop:
     """Calls ``sync()`` every ``period`` seconds in a daemon thread between ``start()`` and
     ``stop()``; an exception is recorded in ``errors`` (tests check it) and the loop goes on,
@@ -293,21 +330,6 @@ class FakeKubelet(ControllerLoop):
     def ready_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{self.ports[i]}" for i in list(self.ready)]
 
-    def _pod(self, template: dict[str, Any], i: int) -> dict[str, Any]:
-        meta = template.get("metadata") or {}
-        notes = {**(meta.get("annotations") or {}), "prometheus.io/port": str(self.ports[i])}
-        return {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": self.pod_name(i),
-                "namespace": self.ns,
-                "labels": dict(meta.get("labels") or {}),
-                "annotations": notes,
-            },
-            "spec": template.get("spec") or {},
-        }
-
     def sync(self) -> None:
         """One pass: pods follow the Deployment's replicas, status follows the pods."""
         dep = self.emu.get(APPS, "deployments", self.ns, self.name)
@@ -317,7 +339,10 @@ class FakeKubelet(ControllerLoop):
         for i in range(len(self.ports)):
             live = self.emu.get("v1", "pods", self.ns, self.pod_name(i))
             if i < n and live is None:
-                self.emu.create("v1", "pods", self.ns, self._pod(dep["spec"]["template"], i))
+                pod = pod_from_template(
+                    dep["spec"]["template"], self.ns, self.pod_name(i), self.ports[i]
+                )
+                self.emu.create("v1", "pods", self.ns, pod)
                 self.emu.set_status(
                     "v1",
                     "pods",
@@ -332,19 +357,8 @@ class FakeKubelet(ControllerLoop):
             elif i >= n and live is not None:
                 self.emu.delete("v1", "pods", self.ns, self.pod_name(i))
         self.ready = list(range(n))
-        status = {
-            "observedGeneration": dep["metadata"].get("generation"),
-            "replicas": n,
-            "updatedReplicas": n,
-            "readyReplicas": n,
-            "availableReplicas": n,
-            "conditions": [
-                {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}
-            ],
-        }
-        have = dep.get("status") or {}
-        if any(have.get(k) != v for k, v in status.items()):
-            self.emu.set_status(APPS, "deployments", self.ns, self.name, status)
+        available = {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}
+        write_deployment_status(self.emu, dep, n, n, conditions=[available])
 
 
 # --- load ----------------------------------------------------------------------------------------
@@ -485,19 +499,7 @@ class ColdStartKubelet(ControllerLoop):
             return False
 
     def _pod(self, name: str, template: dict[str, Any], port: int) -> None:
-        meta = template.get("metadata") or {}
-        notes = {**(meta.get("annotations") or {}), "prometheus.io/port": str(port)}
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": self.ns,
-                "labels": dict(meta.get("labels") or {}),
-                "annotations": notes,
-            },
-            "spec": template.get("spec") or {},
-        }
+        pod = pod_from_template(template, self.ns, name, port)
         self.emu.create("v1", "pods", self.ns, pod)
         self.emu.set_status("v1", "pods", self.ns, name, {"phase": "Pending"})
 
@@ -534,18 +536,6 @@ class ColdStartKubelet(ControllerLoop):
             },
         )
 
-    def _deployment_status(self, name: str, replicas: int, ready: int, dep: dict) -> None:
-        status = {
-            "observedGeneration": dep["metadata"].get("generation"),
-            "replicas": replicas,
-            "updatedReplicas": replicas,
-            "readyReplicas": ready,
-            "availableReplicas": ready,
-        }
-        have = dep.get("status") or {}
-        if any(have.get(k) != v for k, v in status.items()):
-            self.emu.set_status(APPS, "deployments", self.ns, name, status)
-
     def sync(self) -> None:
         router_name = f"{self.name}-router"
         rdep = self.emu.get(APPS, "deployments", self.ns, router_name)
@@ -575,7 +565,7 @@ class ColdStartKubelet(ControllerLoop):
         if not ready and self._up(self.router_url, "/health"):
             self._set_ready(pod, True)
             ready = True
-        self._deployment_status(name, 1, int(ready), rdep)
+        write_deployment_status(self.emu, rdep, 1, int(ready))
 
     def _sync_server(self, dep: dict[str, Any]) -> None:
         pod = f"{self.name}-0"
@@ -602,4 +592,4 @@ class ColdStartKubelet(ControllerLoop):
                 self._endpoints(self.server.ports[0])
                 self.server_ready = True
         n = 1 if self.server is not None else 0
-        self._deployment_status(self.name, n, int(self.server_ready), dep)
+        write_deployment_status(self.emu, dep, n, int(self.server_ready))
