@@ -35,6 +35,7 @@ SERVICE_KEPT_FIELDS = (
     "ipFamilyPolicy",
     "healthCheckNodePort",
 )
+STATUS_ATTEMPTS = 5  # status patches per pass, each recomputed after a 409
 # Keys a Secret must hold, by what it is used for.
 CREDENTIAL_KEYS = {"hf": ("HF_TOKEN",), "s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
 
@@ -365,9 +366,10 @@ async def reconcile(
     # The status is written against the resourceVersion it was computed from: the
     # autoscaler writes ScalingActive (and the replica counts) meanwhile, and a merge patch
     # of a stale conditions list would put its old verdict back. On a conflict the pass
-    # recomputes from a fresh read, once; a second conflict is left to the pass that the
-    # change behind it triggers.
-    for attempt in (1, 2):
+    # recomputes from a fresh read, up to STATUS_ATTEMPTS times: a change to the status
+    # alone (the autoscaler's) triggers no later pass, so giving up after one retry could
+    # leave e.g. status.replicas stale (seen once in CI with two operators).
+    for attempt in range(1, STATUS_ATTEMPTS + 1):
         status = compute_status(
             llmd,
             spec,
@@ -399,7 +401,7 @@ async def reconcile(
             if e.status != 409:
                 raise
             fresh = await api.get(LLMDEPLOYMENTS.path(ns, name))
-            if fresh is None or attempt == 2:
+            if fresh is None or attempt == STATUS_ATTEMPTS:
                 break
             llmd = fresh
     out.status = status
