@@ -294,13 +294,18 @@ class EngineCore:
         grammar_bans = {
             s.seq_id: banned.pop(s.seq_id, None) for s in batch.seqs if s.grammar is not None
         }
-        decode = all(
-            n == 1 and s.num_computed_tokens + 1 == s.num_tokens
-            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-        )
-        graph = self.worker.decode_graph_size(len(batch)) if decode else 0
+        # Every sequence feeds its last token (plus any drafts): a decode step, or a verify
+        # step that replays a decode graph as one row per token (see as_decode_rows).
+        at_last = all(s.num_computed_tokens + 1 == s.num_tokens for s in batch.seqs)
+        tokens = sum(batch.num_new_tokens)
+        graph = self.worker.decode_graph_size(tokens) if at_last else 0
         step, seqs = build_step(
-            batch, self.config.engine.block_size, graph, banned, self.vocab_size
+            batch,
+            self.config.engine.block_size,
+            graph,
+            banned,
+            self.vocab_size,
+            decode_rows=bool(graph) and tokens > len(batch),
         )
         prompt_lp = prompt_logprob_inputs(batch, step)
         if prompt_lp and step.graph_size:  # never for decode-shaped steps; kept safe

@@ -18,7 +18,7 @@ import numpy as np
 from kvscale.server.engine.scheduler import ScheduledBatch
 from kvscale.server.engine.sequence import Sequence
 from kvscale.server.layers.sampler import row_seed
-from kvscale.server.worker.step import SamplingPlan, StepInput
+from kvscale.server.worker.step import SamplingPlan, StepInput, as_decode_rows
 
 
 @dataclass
@@ -28,15 +28,20 @@ class StepPlan:
     num_draft: list[int]  # per sampling row: drafts it verifies (its logits rows: 1 + that)
     max_query_len: int
     max_seq_len: int
+    num_rows: int  # real rows of the per-sequence arrays: sequences, or tokens (decode_rows)
 
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
 
 
-def plan_step(batch: ScheduledBatch, block_size: int, pad_to: int = 0) -> StepPlan:
+def plan_step(
+    batch: ScheduledBatch, block_size: int, pad_to: int = 0, decode_rows: bool = False
+) -> StepPlan:
     """The step's arrays. ``pad_to`` > len(batch) (decode-only steps replayed from a CUDA
     graph) adds padding rows: id 0, position 0, slot -1 (not written), one token of block 0.
+    ``decode_rows``: one row per new token (``worker.step.as_decode_rows``; verify steps
+    replayed from a decode graph), padded to ``pad_to`` rows.
     """
     bs = block_size
     ids: list[int] = []
@@ -72,7 +77,7 @@ def plan_step(batch: ScheduledBatch, block_size: int, pad_to: int = 0) -> StepPl
             logits_idx.extend(range(q_starts[-1] - 1 - drafts, q_starts[-1]))
             num_draft.append(drafts)
     n_rows = len(batch.seqs)
-    rows = max(pad_to, n_rows)
+    rows = n_rows if decode_rows else max(pad_to, n_rows)
     pad = rows - n_rows
     end = q_starts[-1]
     tables = np.zeros((rows, width), dtype=np.int32)
@@ -87,12 +92,14 @@ def plan_step(batch: ScheduledBatch, block_size: int, pad_to: int = 0) -> StepPl
         "tables": tables,
         "logits_idx": np.array(logits_idx, dtype=np.int64),
     }
+    num_rows = as_decode_rows(arrays, n_rows, pad_to) if decode_rows else n_rows
     return StepPlan(
         arrays=arrays,
         sample_rows=sample_rows,
         num_draft=num_draft,
-        max_query_len=max(batch.num_new_tokens),
+        max_query_len=1 if decode_rows else max(batch.num_new_tokens),
         max_seq_len=max(seq_lens),
+        num_rows=num_rows,
     )
 
 
@@ -111,18 +118,20 @@ def build_step(
     graph_size: int,
     banned: dict[int, list[int]],
     vocab_size: int,
+    decode_rows: bool = False,
 ) -> tuple[StepInput, list[Sequence]]:
     """The step of ``batch`` and its sampling sequences (in sampling-row order).
-    ``graph_size`` > 0: a decode step padded to that captured graph's rows.
+    ``graph_size`` > 0: a decode step padded to that captured graph's rows;
+    ``decode_rows``: laid out one row per new token (see ``plan_step``).
     ``banned[seq_id]``: tokens that sequence may not sample now (EOS before min_tokens)."""
-    plan = plan_step(batch, block_size, graph_size)
+    plan = plan_step(batch, block_size, graph_size, decode_rows)
     seqs = [batch.seqs[b] for b in plan.sample_rows]
     sampling = sampling_inputs(seqs, banned, vocab_size, plan.arrays)
     if any(plan.num_draft):
         sampling.spec_k, sampling.spec_q = verify_inputs(seqs, plan.num_draft, plan.arrays)
         sampling.spec_rows = plan.arrays["spec_rows"].tolist()
     step = StepInput(
-        plan.arrays, len(batch), plan.max_query_len, plan.max_seq_len, graph_size, sampling
+        plan.arrays, plan.num_rows, plan.max_query_len, plan.max_seq_len, graph_size, sampling
     )
     return step, seqs
 

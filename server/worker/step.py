@@ -80,6 +80,29 @@ class StepInput:
         return np.diff(self.arrays["q_start"][: self.num_seqs + 1]).tolist()
 
 
+def as_decode_rows(arrays: dict[str, np.ndarray], num_seqs: int, pad_to: int = 0) -> int:
+    """Re-lays a step's ``T`` new tokens of ``num_seqs`` sequences (no padding rows) in
+    ``arrays``, in place, as ``T`` one-token rows, padded to ``pad_to`` rows: row t
+    attends to its sequence's first ``positions[t] + 1`` tokens through that sequence's
+    block table. Every layer writes the step's K/V before attending, so this is the
+    same causal attention as the ragged layout: a verify step (1 + k tokens a sequence)
+    then replays a decode graph. ``logits_idx`` keeps its token rows. Returns ``T``
+    (the step's new ``num_seqs``)."""
+    q_start = arrays["q_start"][: num_seqs + 1]
+    total = int(q_start[-1])
+    pad = max(pad_to, total) - total
+    positions = arrays["positions"][:total]
+    seq_of = np.repeat(np.arange(num_seqs), np.diff(q_start))
+    tables = arrays["tables"][:num_seqs]
+    arrays["ids"] = np.concatenate([arrays["ids"][:total], np.zeros(pad, np.int64)])
+    arrays["positions"] = np.concatenate([positions, np.zeros(pad, np.int64)])
+    arrays["slots"] = np.concatenate([arrays["slots"][:total], np.full(pad, -1, np.int64)])
+    arrays["seq_lens"] = np.concatenate([positions + 1, np.ones(pad, np.int64)]).astype(np.int32)
+    arrays["q_start"] = np.arange(total + pad + 1, dtype=np.int32)
+    arrays["tables"] = np.concatenate([tables[seq_of], np.zeros((pad, tables.shape[1]), np.int32)])
+    return total
+
+
 def resolve_placeholders(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
     """``ids`` with each placeholder ``-(r + 1)`` replaced by ``last_tokens[r]`` (on the
     device, without a sync); other ids pass through."""

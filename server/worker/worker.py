@@ -396,7 +396,9 @@ class Worker:
             run = EAGER  # prompt logprobs need the hidden states, which graphs do not keep
         if run.kind == "full":
             assert self.graphs is not None
-            logits = self.graphs.run(dev, step.num_seqs)
+            logits = self.graphs.run(dev, step.num_seqs)  # every real row's
+            if step.arrays["logits_idx"].shape[0] != step.num_seqs:
+                logits = logits[dev["logits_idx"]]  # one-token rows of which only some sample
         elif run.kind == "piecewise":
             assert self.piecewise is not None
             logits = self.piecewise.run(step, dev, run.size)

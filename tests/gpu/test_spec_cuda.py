@@ -1,6 +1,7 @@
 """Speculative decoding on CUDA (GPU machine only): greedy with drafts token-identical to
-greedy without (fp32, Triton kernels, CUDA graphs for the steps without drafts), under
-chunked prefill and preemption; the echo model accepts every draft."""
+greedy without (fp32, Triton kernels, CUDA graphs for decode steps and for verify steps
+laid out one row per token), under chunked prefill and preemption; the echo model
+accepts every draft."""
 
 from __future__ import annotations
 
@@ -33,10 +34,21 @@ def _release_gpu_memory() -> Iterator[None]:
 
 def _tokens(path: Path, **kw: object) -> tuple[list[list[int]], object]:
     llm = LLM(str(path), device="cuda", dtype="float32", **kw)
+    worker = llm.engine.worker
+    assert worker.graphs is not None  # decode graphs run the steps without drafts
+    forward, replayed_verify = worker.forward, []
+
+    def spy(step):  # verify steps that fit a decode graph replay it, one row per token
+        if step.sampling.spec_k and step.graph_size:
+            replayed_verify.append(step.num_seqs)
+        return forward(step)
+
+    worker.forward = spy
     outs = llm.generate(PROMPTS, GREEDY)
     stats = llm.engine.stats()
-    assert llm.engine.worker.graphs is not None  # decode graphs run the steps without drafts
     llm.engine.core.shutdown()
+    if stats.spec_num_drafts:
+        assert replayed_verify, "no verify step replayed a decode graph"
     return [o.outputs[0].token_ids for o in outs], stats
 
 
