@@ -16,6 +16,7 @@ import torch
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.config import EngineConfig
 from kvscale.server.spec_decode.draft_runner import (
+    DRAFT_GRAPH_MAX_BATCH,
     DraftRunner,
     draft_engine_config,
     draft_uniform,
@@ -259,7 +260,9 @@ def test_seeded_first_drafts_follow_q(make_runner: Callable[..., DraftRunner]) -
 def test_from_model_path_checks_the_tokenizer(llama_ckpt: Path, tmp_path: Path) -> None:
     target, _ = EngineConfig(model=str(llama_ckpt), device="cpu", max_model_len=256).load()
     runner = DraftRunner.from_model_path(str(llama_ckpt), target, k=2, kv_cache_tokens=512)
-    assert runner.config.engine.enforce_eager and not runner.config.engine.enable_prefix_caching
+    eng = runner.config.engine
+    assert eng.cuda_graph_mode == "full_decode_only" and not eng.enable_prefix_caching
+    assert eng.cuda_graph_max_batch == DRAFT_GRAPH_MAX_BATCH
     assert runner.block_manager.num_blocks == 32 and runner.max_model_len == 256
     assert runner.vocab_size == 32000 and runner.name == "draft"
     other = swap_two_tokens(llama_ckpt, tmp_path / "other")

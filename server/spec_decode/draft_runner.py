@@ -19,10 +19,11 @@ the others' come from the runner's own seeded stream. Draft ``j``'s token is fed
 ``j + 1`` on the device (the worker's placeholder mechanism), so the GPU path syncs once
 per call, when the drafts are read.
 
-The steps run eagerly (``enforce_eager``: no CUDA graphs; the draft is small and its
-batches vary). A full pool never fails a call: idle sequences (not in the batch) are
-freed longest-idle first, then sequences that still do not fit draft fewer tokens, or
-none. Not thread-safe: one caller.
+On a GPU a step of at most ``DRAFT_GRAPH_MAX_BATCH`` new tokens replays a decode CUDA
+graph, laid out one row per token (``as_decode_rows``): the one-token decode steps and,
+at small batches, the catch-up; larger steps run eagerly. A full pool never fails a
+call: idle sequences (not in the batch) are freed longest-idle first, then sequences
+that still do not fit draft fewer tokens, or none. Not thread-safe: one caller.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ from kvscale.server.layers.sampler import row_seed
 from kvscale.server.spec_decode.prefix import as_token_list, held_prefix_len
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 from kvscale.server.spec_decode.tokenizer_check import check_same_tokenizer
-from kvscale.server.worker.step import StepInput
+from kvscale.server.worker.step import StepInput, as_decode_rows
 from kvscale.server.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TOP_M = 8
+DRAFT_GRAPH_MAX_BATCH = 64  # decode graphs of the draft: up to this many rows (tokens)
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # cap of the default pool (max_num_seqs x max_model_len)
 _MASK64 = (1 << 64) - 1
 _U_BITS = 24  # uniforms are multiples of 2**-24: exact in float32 and < 1
@@ -92,8 +94,9 @@ def draft_engine_config(
     attention_backend: str = "auto",
     seed: int = 0,
 ) -> EngineConfig:
-    """A draft model's engine settings: eager, no prefix caching, one rank, its
-    ``max_model_len`` capped at what the checkpoint allows."""
+    """A draft model's engine settings: decode CUDA graphs up to
+    ``DRAFT_GRAPH_MAX_BATCH`` rows, no prefix caching, one rank, its ``max_model_len``
+    capped at what the checkpoint allows."""
     limit = EngineConfig(model=model).resolve_max_model_len(ModelConfig.from_path(model))
     return EngineConfig(
         model=model,
@@ -105,7 +108,8 @@ def draft_engine_config(
         max_num_batched_tokens=max_num_batched_tokens,
         num_kv_blocks=num_kv_blocks,
         attention_backend=attention_backend,
-        enforce_eager=True,
+        cuda_graph_mode="full_decode_only",
+        cuda_graph_max_batch=DRAFT_GRAPH_MAX_BATCH,
         enable_prefix_caching=False,
         seed=seed,
     )
@@ -441,6 +445,10 @@ class DraftRunner:
             ),
         }
         step = StepInput(arrays, s, int(length.max()), int(end.max()))
+        graph = self.worker.decode_graph_size(total)
+        if graph:  # one row per token, replayed from the decode graph of ``graph`` rows
+            step.num_seqs = as_decode_rows(arrays, s, graph)
+            step.max_query_len, step.graph_size = 1, graph
         fwd = self.worker.forward(step)
         if len(sampled):
             self._draw(fwd.logits, fwd.dev, j, want_q)
