@@ -54,3 +54,61 @@ def quantize_e4m3(x, scale):
         tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL
     )
     return round_to_e4m3(y)
+
+
+_MIN_SCALE = 1e-12  # an all-zero group still gets a finite scale
+
+
+def quantize_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (``[M, K]`` FP8, ``[M, K / group]`` fp32 scales): each group of
+    ``group`` consecutive columns of a row scaled by its absmax / 448 (``group = K``:
+    one scale per row, per-token quantization)."""
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"K={k} is not a multiple of the quantization group {group}")
+    g = x.float().reshape(m, k // group, group)
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE) / FP8_MAX
+    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3)
+    return q.reshape(m, k), scale.reshape(m, k // group)
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr, q_ptr, s_ptr, group, stride_x, stride_q, stride_s, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    x_row = x_ptr + row * stride_x + g * group
+    q_row = q_ptr + row * stride_q + g * group
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, group, BLOCK):
+        mask = k + offs < group
+        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+    tl.store(s_ptr + row * stride_s + g, scale)
+    for k in range(0, group, BLOCK):  # the group again, from L2
+        mask = k + offs < group
+        x = tl.load(x_row + k + offs, mask=mask, other=0.0)
+        tl.store(q_row + k + offs, quantize_e4m3(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_groups_ref` in one kernel (one read of ``x`` from memory, the
+    same bits): a program per row and group."""
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"K={k} is not a multiple of the quantization group {group}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=FP8_E4M3, device=x.device)
+    scale = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = min(1024, 1 << (group - 1).bit_length())
+    _quantize_groups_kernel[(m, k // group)](
+        x, q, scale, group, x.stride(0), q.stride(0), scale.stride(0), BLOCK=block,
+        num_warps=4 if block >= 512 else 1,
+    )  # fmt: skip
+    return q, scale

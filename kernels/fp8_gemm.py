@@ -2,7 +2,7 @@
 
 Layouts:
     a:       ``[M, K]`` FP8 E4M3 activations, quantized per token and group of ``group_k``
-             columns (:func:`quantize_groups`)
+             columns (``kvscale.kernels.fp8.quantize_groups``)
     a_scale: ``[M, K / group_k]`` fp32
     b:       ``[N, K]`` FP8 E4M3 weight (a linear layer's ``weight``)
     b_scale: ``[ceil(N / group_n), K / group_k]`` fp32, one per weight block
@@ -22,21 +22,7 @@ import triton
 import triton.language as tl
 
 from kvscale.kernels._utils import is_interpreter
-from kvscale.kernels.fp8 import FP8_E4M3, FP8_MAX
-
-_MIN_SCALE = 1e-12  # an all-zero group still gets a finite scale
-
-
-def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> (``[M, K]`` FP8, ``[M, K / group]`` fp32 scales): each group of
-    ``group`` consecutive columns of a row scaled by its absmax / 448."""
-    m, k = x.shape
-    if k % group:
-        raise ValueError(f"K={k} is not a multiple of the quantization group {group}")
-    g = x.float().reshape(m, k // group, group)
-    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE) / FP8_MAX
-    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3)
-    return q.reshape(m, k), scale.reshape(m, k // group)
+from kvscale.kernels.fp8 import FP8_E4M3
 
 
 def gemm_config(m: int) -> dict[str, int]:

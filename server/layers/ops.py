@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from kvscale.kernels import activation, rmsnorm, rotary, w4a16
+from kvscale.kernels import activation, fp8, rmsnorm, rotary, w4a16
 
 rms_norm = rmsnorm.rms_norm_ref
 fused_add_rms_norm = rmsnorm.fused_add_rms_norm_ref
 silu_and_mul = activation.silu_and_mul_ref
 rotary_embedding = rotary.rotary_embedding_ref
 w4a16_gemm = w4a16.w4a16_gemm_ref
+fp8_quantize_groups = fp8.quantize_groups_ref
 _kernels = False
 
 
@@ -37,6 +38,7 @@ def use_kernels(enabled: bool) -> bool:
         silu_and_mul=getattr(activation, "silu_and_mul" + suffix),
         rotary_embedding=getattr(rotary, "rotary_embedding" + suffix),
         w4a16_gemm=getattr(w4a16, "w4a16_gemm" + suffix),
+        fp8_quantize_groups=getattr(fp8, "quantize_groups" + suffix),
     )
     return previous
 

@@ -16,20 +16,17 @@ import torch
 from torch import nn
 
 from kvscale.kernels.fp8 import FP8_E4M3 as FP8
-from kvscale.kernels.fp8 import FP8_MAX
-from kvscale.kernels.fp8_gemm import quantize_groups, w8a8_block_matmul, w8a8_block_matmul_ref
+from kvscale.kernels.fp8 import FP8_MAX, quantize_groups_ref
+from kvscale.kernels.fp8_gemm import w8a8_block_matmul, w8a8_block_matmul_ref
 from kvscale.server.config import CheckpointError
+from kvscale.server.layers import ops
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
-
-_MIN_SCALE = 1e-12  # guards all-zero rows
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> (``[M, K]`` FP8, ``[M, 1]`` fp32 scales): ``x ~ q * scale``,
-    each row scaled by its absmax / 448."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    each row scaled by its absmax / 448 (the torch reference; weights at load time)."""
+    return quantize_groups_ref(x, x.shape[-1])
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,8 +46,8 @@ def fp8_linear(
     static activation scale; None quantizes each token on the fly."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if input_scale is None:
-        xq, xs = quantize_rows(x2)
+    if input_scale is None:  # per token: one kernel on CUDA (ops routing)
+        xq, xs = ops.fp8_quantize_groups(x2, x2.shape[-1])
     else:
         xq = quantize_static(x2, input_scale)
         xs = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
@@ -186,7 +183,7 @@ class Fp8BlockLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
-        xq, xs = quantize_groups(x.reshape(-1, shape[-1]), self.block[1])
+        xq, xs = ops.fp8_quantize_groups(x.reshape(-1, shape[-1]), self.block[1])
         y = torch.ops.kvscale.w8a8_block_matmul(
             xq, xs, layer.weight, layer.weight_scale_inv, *self.block, x.dtype
         )

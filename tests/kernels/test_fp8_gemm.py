@@ -6,12 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscale.kernels.fp8_gemm import (
-    dequantize_blocks,
-    quantize_groups,
-    w8a8_block_matmul,
-    w8a8_block_matmul_ref,
-)
+from kvscale.kernels.fp8 import FP8_E4M3, quantize_groups, quantize_groups_ref
+from kvscale.kernels.fp8_gemm import dequantize_blocks, w8a8_block_matmul, w8a8_block_matmul_ref
 from kvscale.kernels.testing import kernel_dtypes, on_native_gpu, rel_error
 
 
@@ -46,7 +42,7 @@ def _limit(out_dtype: torch.dtype) -> float:
 def test_block_gemm_matches_ref(out_dtype: torch.dtype, m: int, n: int, k: int, device) -> None:
     block = (128, 128)
     x = torch.randn(m, k, device=device) * 3
-    xq, xs = quantize_groups(x, block[1])
+    xq, xs = quantize_groups_ref(x, block[1])
     wq, ws = _weight(n, k, block, device)
     got = w8a8_block_matmul(xq, xs, wq, ws, block, out_dtype)
     ref = w8a8_block_matmul_ref(xq, xs, wq, ws, block, torch.float32)
@@ -63,7 +59,7 @@ def test_block_gemm_matches_ref(out_dtype: torch.dtype, m: int, n: int, k: int, 
 
 def test_group_quantization_round_trips_within_one_fp8_step(device: torch.device) -> None:
     x = torch.randn(5, 256, device=device) * torch.logspace(-3, 2, 256, device=device)
-    q, s = quantize_groups(x, 128)
+    q, s = quantize_groups_ref(x, 128)
     back = q.float() * s.repeat_interleave(128, 1)
     assert s.shape == (5, 2) and q.dtype == torch.float8_e4m3fn
     assert ((back - x).abs() <= x.abs() / 16 + s.repeat_interleave(128, 1) * 2**-9).all()
@@ -74,8 +70,24 @@ def test_block_gemm_at_llama_shapes_bf16() -> None:
     block = (128, 128)
     for m in (1, 16, 300):
         x = torch.randn(m, 4096, device="cuda")
-        xq, xs = quantize_groups(x, 128)
+        xq, xs = quantize_groups_ref(x, 128)
         wq, ws = _weight(6144, 4096, block, torch.device("cuda"))
         got = w8a8_block_matmul(xq, xs, wq, ws, block, torch.bfloat16)
         ref = w8a8_block_matmul_ref(xq, xs, wq, ws, block, torch.float32)
         assert rel_error(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes())
+@pytest.mark.parametrize(("m", "k", "group"), [(1, 320, 320), (5, 2304, 2304), (3, 512, 128)])
+def test_quantize_groups_kernel_gives_the_reference_bits(
+    dtype: torch.dtype, m: int, k: int, group: int, device: torch.device
+) -> None:
+    """One kernel per token (``group = K``, non-power-of-two K, K over one 1024 tile) or
+    per group: the same FP8 bits and scales as the torch reference, zero rows included."""
+    x = (torch.randn(m, k, device=device) * torch.logspace(-3, 2, k, device=device)).to(dtype)
+    x[0, :group] = 0  # an all-zero group: the scale floor
+    q, s = quantize_groups(x, group)
+    q_ref, s_ref = quantize_groups_ref(x, group)
+    assert q.dtype == FP8_E4M3 and s.shape == (m, k // group)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
