@@ -511,7 +511,8 @@ class Bench:
         bf16_ms = timer(lambda: torch.matmul(x, dense))
         cfg = w4a16.w4a16_config(m, n, k, self.device)
         shape = (
-            f"{layer} M={m} K={k} N={n} g={W4A16_GROUP} BM={cfg['BLOCK_M']} "
+            f"{layer} M={m} K={k} N={n} g={W4A16_GROUP} {'GEMV ' if cfg.get('GEMV') else ''}"
+            f"BM={cfg['BLOCK_M']} "
             f"BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} split={cfg['SPLIT_K']}; "
             f"bf16 matmul {bf16_ms * 1e3:.1f} us ({bf16_ms / ms:.2f}x)"
         )
@@ -529,11 +530,15 @@ class Bench:
         ops = self._w4a16_operands(m, k, n)
         x, qw, s, z = ops["x"], ops["qweight"], ops["scales"], ops["zeros"]
         base = w4a16.w4a16_config(m, n, k, self.device)
-        configs = [dict(base)]
+        # the heuristic's, the tl.dot kernel's heuristic (for one row: what GEMV replaced),
+        # then the sweep's tiles with the heuristic's kernel
+        configs = [dict(base), w4a16.w4a16_config(m, n, k, self.device, gemv=False)]
+        kernel = {"GEMV": 1} if base.get("GEMV") else {}
         for bn, bk, warps, stages in W4A16_SWEEP:
             for split in {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}:
                 configs.append(
                     dict(
+                        **kernel,
                         BLOCK_M=base["BLOCK_M"],
                         BLOCK_N=bn,
                         BLOCK_K=bk,

@@ -25,7 +25,12 @@ nibbles of each word into a ``[BLOCK_K, BLOCK_N]`` tile, applies the group's zer
 and scale, rounds to the activation dtype and feeds ``tl.dot``. Decode-sized batches use
 split-K (each program sums a slice of K into an fp32 partial; a second kernel adds the
 slices and casts), so that a few output tiles still occupy every SM; prefill-sized
-batches use larger tiles and no split. :func:`w4a16_config` picks tiles and splits.
+batches use larger tiles and no split. A single row (batch-1 decode) with whole groups
+per K tile takes a GEMV kernel instead: no ``tl.dot`` (whose 16-row minimum would waste
+15 of 16 rows), each program multiplying codes by the activations and reducing over K,
+with one scale and zero point per column and tile:
+``sum_k (c s + z') x = s sum_k c x + z' sum_k x``. :func:`w4a16_config` picks the kernel,
+tiles and splits.
 """
 
 from __future__ import annotations
@@ -156,17 +161,22 @@ def w4a16_gemm_ref(
 
 
 # ---- tiles and splits ------------------------------------------------------------------
-def w4a16_config(m: int, n: int, k: int, device: torch.device) -> dict[str, int]:
+def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True) -> dict[str, int]:
     """Tiles, split-K and launch options for an ``[m, k] x [k, n]`` product.
 
-    Decode-sized batches (``m <= 64``) take 16/32/64-row tiles and split K until there
-    are about ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K
-    tile); larger batches take 128 x 128 tiles, split only while the output tiles alone
-    leave SMs idle. Small tiles under the Triton interpreter. ``bench/kernels.py``
-    sweeps alternatives at the 8B model's shapes.
+    One row (``gemv``: the caller's groups allow it, see :func:`gemv_fits`) takes the
+    GEMV kernel (``GEMV: 1``) with 64-column, 128-row tiles. Other decode-sized batches
+    (``m <= 64``) take 16/32/64-row tiles. Both split K until there are about
+    ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K tile); larger
+    batches take 128 x 128 tiles, split only while the output tiles alone leave SMs idle.
+    Small tiles under the Triton interpreter. ``bench/kernels.py`` sweeps alternatives
+    at the 8B model's shapes.
     """
     sms = num_sms(device)
-    if is_interpreter():
+    if m == 1 and gemv:
+        cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+        cfg["num_stages"] = 1 if is_interpreter() else 4
+    elif is_interpreter():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     elif m <= 64:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -341,6 +351,74 @@ def _split_k_sum_kernel(p_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["stride_cs"])
+def _w4a16_gemv_kernel(
+    a_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    c_ptr,
+    N,
+    K,
+    k_per_split,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_cs,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            cols = offs_k
+        a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        p_mask = offs_p * 8 < k_end
+        words = tl.load(
+            qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+            mask=p_mask[:, None] & n_mask[None, :],
+            other=0,
+        )
+        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0)
+            zs = -z.to(tl.float32) * s
+        else:
+            zs = -8.0 * s
+        acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
+    if SPLIT:
+        tl.store(c_ptr + pid_k * stride_cs + offs_n, acc, mask=n_mask)
+    else:
+        tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv_fits(group_size: int, groups: int, block_k: int, has_g_idx: bool) -> bool:
+    """Whether the GEMV kernel can run: every K tile of ``block_k`` rows in one group."""
+    return _group_mode(group_size, groups, block_k, has_g_idx)[0] == TILE
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -362,12 +440,18 @@ def w4a16_gemm(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
-    cfg: dict[str, Any] = dict(config or w4a16_config(m, n, k, x.device))
+    if config is None:
+        fits = gemv_fits(group_size, scales.shape[0], 128, g_idx is not None)
+        config = w4a16_config(m, n, k, x.device, gemv=fits)
+    cfg: dict[str, Any] = dict(config)
     block_k = cfg["BLOCK_K"]
     if block_k % PACK or block_k < 16:
         raise ValueError(f"BLOCK_K must be a multiple of 8 and >= 16, got {block_k}")
     per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
     mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
+    gemv = bool(cfg.pop("GEMV", 0))
+    if gemv and (m != 1 or mode != TILE):
+        raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
     split = splits > 1
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if split else out
     grid = (
@@ -375,36 +459,59 @@ def w4a16_gemm(
         splits,
     )
     dummy = qweight  # stands in for absent optional tensors (never read)
-    _w4a16_kernel[grid](
-        x2,
-        qweight,
-        scales,
-        zeros if zeros is not None else dummy,
-        perm if perm is not None else dummy,
-        g_idx if g_idx is not None else dummy,
-        partial,
-        m,
-        n,
-        k,
-        scales.shape[0],
-        per_split,
-        x2.stride(0),
-        qweight.stride(0),
-        scales.stride(0),
-        zeros.stride(0) if zeros is not None else 0,
-        m * n,
-        n,
-        GROUP_M=8,
-        GROUP_SIZE=gs,
-        GROUP_MODE=mode,
-        TG=block_k // gs if mode == MULTI else 1,
-        HAS_ZP=zeros is not None,
-        HAS_PERM=perm is not None,
-        HAS_GIDX=g_idx is not None,
-        SPLIT=split,
-        DOT_PREC=dot_precision(x.dtype),
-        **cfg,
-    )
+    if gemv:
+        del cfg["BLOCK_M"]
+        _w4a16_gemv_kernel[grid](
+            x2,
+            qweight,
+            scales,
+            zeros if zeros is not None else dummy,
+            perm if perm is not None else dummy,
+            partial,
+            n,
+            k,
+            per_split,
+            qweight.stride(0),
+            scales.stride(0),
+            zeros.stride(0) if zeros is not None else 0,
+            n,
+            GROUP_SIZE=gs,
+            HAS_ZP=zeros is not None,
+            HAS_PERM=perm is not None,
+            SPLIT=split,
+            **cfg,
+        )
+    else:
+        _w4a16_kernel[grid](
+            x2,
+            qweight,
+            scales,
+            zeros if zeros is not None else dummy,
+            perm if perm is not None else dummy,
+            g_idx if g_idx is not None else dummy,
+            partial,
+            m,
+            n,
+            k,
+            scales.shape[0],
+            per_split,
+            x2.stride(0),
+            qweight.stride(0),
+            scales.stride(0),
+            zeros.stride(0) if zeros is not None else 0,
+            m * n,
+            n,
+            GROUP_M=8,
+            GROUP_SIZE=gs,
+            GROUP_MODE=mode,
+            TG=block_k // gs if mode == MULTI else 1,
+            HAS_ZP=zeros is not None,
+            HAS_PERM=perm is not None,
+            HAS_GIDX=g_idx is not None,
+            SPLIT=split,
+            DOT_PREC=dot_precision(x.dtype),
+            **cfg,
+        )
     if split:
         total = m * n
         block = 1024

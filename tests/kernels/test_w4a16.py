@@ -100,6 +100,31 @@ def test_w4a16_group_modes_and_splits(
     _run(3, 232, 40, group_size, torch.float16, device, config=cfg, asym=False)
 
 
+@pytest.mark.parametrize("split", [1, 3, 16])
+@pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 64), (32, 232)])
+def test_w4a16_gemv_one_row(
+    split: int, block_k: int, group_size: int, device: torch.device
+) -> None:
+    """The one-row kernel: tiles of one group (or one group in all), zero points or
+    not, an act-order permutation, every split count, K not a multiple of the tile."""
+    cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split}
+    for dtype in kernel_dtypes():
+        _run(1, 232, 40, group_size, dtype, device, config=cfg)
+    _run(1, 232, 40, group_size, torch.float32, device, config=cfg, asym=False)
+    _run(1, 232, 40, group_size, torch.float16, device, config=cfg, act_order=True)
+
+
+def test_w4a16_gemv_is_the_default_for_one_row_of_whole_groups(device: torch.device) -> None:
+    dev = torch.device("cpu")
+    assert w4a16_config(1, 4096, 4096, dev)["GEMV"] == 1
+    assert "GEMV" not in w4a16_config(2, 4096, 4096, dev)
+    assert not w4a16.gemv_fits(64, 64, 128, False)  # two groups in one 128-row tile
+    assert w4a16.gemv_fits(128, 32, 128, False) and not w4a16.gemv_fits(128, 32, 128, True)
+    with pytest.raises(ValueError, match="GEMV needs one row"):
+        _run(2, 256, 32, 128, torch.float32, device, config={"GEMV": 1, "BLOCK_M": 1,
+             "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1})  # fmt: skip
+
+
 def test_w4a16_channelwise_and_k_not_multiple_of_8(device: torch.device) -> None:
     for k in (200, 132):  # 132: the last packed word is half empty
         _run(4, k, 24, k, torch.float32, device)  # one group: per-channel scales
