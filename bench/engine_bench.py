@@ -110,6 +110,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "peer-serve",
     "peer-b",
     "prefix",
+    "prefix-noise",
     "fp8",
     "structured",
     "piecewise",
@@ -783,8 +784,15 @@ def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(outputs), (n_out, sum(outputs))
     n_in = sum(len(p) for p in prompts)
+    # time to first token of each request, all submitted at t0 (queueing included)
+    ttft = [
+        (o.metrics["first_token_time"] - o.metrics["arrival_time"]) * 1e3
+        for o in outs
+        if "first_token_time" in o.metrics
+    ]
     return {
         "wall_s": wall,
+        "ttft_ms": _spread(ttft),
         "requests": len(prompts),
         "input_tokens": n_in,
         "output_tokens": n_out,
@@ -794,6 +802,18 @@ def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
         "preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_cache_hit_rate": _hit_rate(before, after),
         "steps": summarize_steps(steps),
+    }
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    """Mean, median and p99 of ``values`` (empty: {})."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {
+        "mean": statistics.fmean(ordered),
+        "median": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)],
     }
 
 
@@ -850,6 +870,27 @@ def phase_prefix(ckpt: Path, **kw: Any) -> dict[str, Any]:
             llm, [r.prompt_token_ids for r in shared], [r.output_len for r in shared]
         )
         res[f"multi_turn_{key}"] = _multi_turn(llm, *MULTI_TURN_SHAPE)
+        del llm
+        _free_gpu()
+    return res
+
+
+PREFIX_REPEATS = 3
+
+
+def phase_prefix_noise(ckpt: Path, **kw: Any) -> dict[str, Any]:
+    """Prefix caching's cost at a 0% hit rate against run-to-run noise: workload A
+    ``PREFIX_REPEATS`` times with caching off, then on (one engine each), each run's
+    output tok/s."""
+    res: dict[str, Any] = {}
+    a_n, a_in, a_out = A_SHAPE
+    for caching in (False, True):
+        llm = _llm(ckpt, enable_prefix_caching=caching, **kw)
+        runs = [
+            _offline(llm, _prompts(a_n, a_in, 1 + r), [a_out] * a_n)["output_tok_per_s"]
+            for r in range(PREFIX_REPEATS)
+        ]
+        res["on" if caching else "off"] = {"runs": runs, **_spread(runs)}
         del llm
         _free_gpu()
     return res
@@ -1611,6 +1652,7 @@ def main(argv: list[str] | None = None) -> int:
         "eager": lambda: phase_ours(ckpt, "C", enforce_eager=True),
         "compile": lambda: phase_ours(ckpt, "CA", compile=True),
         "prefix": lambda: phase_prefix(ckpt),
+        "prefix-noise": lambda: phase_prefix_noise(ckpt),
         "fp8": lambda: phase_fp8(ckpt, out),
         "structured": lambda: phase_structured(ckpt),
         "tp1": lambda: phase_ours(ckpt, "CA"),

@@ -109,6 +109,32 @@ plan_pw2() {
   bench spec-piecewise 360 spec-piecewise
 }
 
+# Issue 23, 2026-11-26 second session (one GPU): this session's changes first (verify steps
+# and draft steps replaying decode graphs, the one-kernel FP8 activation quantization, the
+# one-row W4A16 GEMV), then what no lease has measured yet (piecewise graphs, prefix
+# caching's noise and TTFT, the transformers peers). Tests run beside the checkpoint write.
+plan_r3() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  (step tests-kernels 240 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_fp8_gemm.py \
+     tests/kernels/test_w4a16.py
+   step tests-gpu 420 "${pt[@]}" -s tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
+     tests/gpu/test_engine_cuda.py) &
+  wait
+  bench base 300 ceilings,ours
+  bench spec 420 spec
+  bench fp8 360 fp8
+  bench int4 300 int4
+  step w4a16-gemm 300 python3 bench/kernels.py --only w4a16 --w4a16-sweep --out-dir "$RES"
+  bench piecewise 480 piecewise,serve-piecewise --piecewise-concurrency 256
+  step profile-piecewise 240 python3 bench/profile_step.py --ckpt "$CKPT" \
+    --modes full_decode_only,full_and_piecewise --sections 4 \
+    --compile-cache-dir "$RES/compile-cache"
+  bench prefix 420 prefix,prefix-noise
+  bench peers 300 peer-latency,peer-a
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
