@@ -732,6 +732,7 @@ def _sync() -> None:
 def _free_gpu() -> None:
     import torch
 
+    torch._dynamo.reset()  # compiled code (piecewise graphs) holds the model's weights
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

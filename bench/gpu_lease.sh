@@ -135,6 +135,24 @@ plan_r3() {
   bench peers 300 peer-latency,peer-a
 }
 
+# The same session's second lease (one call, under 10 minutes): the GPU tests fixed after
+# r3 (the FP8 reference's division, the draft's graphs, speculation past batch 8), the
+# GEMV layouts, int4 C with the new default, and piecewise graphs (each phase in its own
+# process: r3's piecewise engine held its weights through Dynamo and starved the next).
+plan_r4() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 120 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  (step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_fp8_gemm.py \
+     tests/kernels/test_w4a16.py -k "quantize_groups or gemv or 8b_shapes or graph"
+   step tests-gpu 170 "${pt[@]}" -s tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py) &
+  wait
+  step w4a16-gemm 60 python3 bench/kernels.py --only w4a16 --w4a16-sweep --out-dir "$RES"
+  bench int4 60 int4
+  bench piecewise 100 piecewise
+  bench serve-piecewise 120 serve-piecewise --piecewise-concurrency 256
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

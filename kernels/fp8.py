@@ -67,7 +67,10 @@ def quantize_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     if k % group:
         raise ValueError(f"K={k} is not a multiple of the quantization group {group}")
     g = x.float().reshape(m, k // group, group)
-    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE) / FP8_MAX
+    # IEEE division (as compressed-tensors computes it): torch on CUDA divides by a
+    # Python scalar as a multiplication by its reciprocal, so divide by a device tensor
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE)
+    scale = amax / torch.full((), FP8_MAX, device=x.device)
     q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3)
     return q.reshape(m, k), scale.reshape(m, k // group)
 

@@ -174,7 +174,8 @@ def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True
     """
     sms = num_sms(device)
     if m == 1 and gemv:
-        cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+        cfg = {"GEMV": 1, "LAYOUT": 1, "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128}
+        cfg["num_warps"] = 4
         cfg["num_stages"] = 1 if is_interpreter() else 4
     elif is_interpreter():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
@@ -373,8 +374,15 @@ def _w4a16_gemv_kernel(
     HAS_ZP: tl.constexpr,
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
+    LAYOUT: tl.constexpr,
 ):
-    """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group."""
+    """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group.
+
+    ``LAYOUT`` (the sweep picks): 0 unpacks a tile of words into ``[BLOCK_K, BLOCK_N]``
+    codes and reduces over K every tile (``s sum c x + z' sum x``); 1 unpacks the same
+    way and keeps ``[BLOCK_K, BLOCK_N]`` partial products, reduced once at the end; 2
+    loads each code's word once per row (``[BLOCK_K, BLOCK_N]`` loads, from L1 after
+    the first; no reshape) and reduces at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -383,6 +391,7 @@ def _w4a16_gemv_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
@@ -391,15 +400,23 @@ def _w4a16_gemv_kernel(
         else:
             cols = offs_k
         a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        p_mask = offs_p * 8 < k_end
-        words = tl.load(
-            qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-            mask=p_mask[:, None] & n_mask[None, :],
-            other=0,
-        )
-        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        if LAYOUT == 2:
+            words = tl.load(
+                qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+                mask=k_mask[:, None] & n_mask[None, :],
+                other=0,
+            )
+            codes = ((words >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+        else:
+            offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            p_mask = offs_p * 8 < k_end
+            words = tl.load(
+                qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+                mask=p_mask[:, None] & n_mask[None, :],
+                other=0,
+            )
+            codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+            codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if HAS_ZP:
@@ -407,7 +424,12 @@ def _w4a16_gemv_kernel(
             zs = -z.to(tl.float32) * s
         else:
             zs = -8.0 * s
-        acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
+        if LAYOUT == 0:
+            acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
+        else:
+            acc2 += (codes * s[None, :] + zs[None, :]) * a[:, None]
+    if LAYOUT != 0:
+        acc = tl.sum(acc2, axis=0)
     if SPLIT:
         tl.store(c_ptr + pid_k * stride_cs + offs_n, acc, mask=n_mask)
     else:
@@ -450,6 +472,7 @@ def w4a16_gemm(
     per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
     mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
     gemv = bool(cfg.pop("GEMV", 0))
+    layout = cfg.pop("LAYOUT", 1)
     if gemv and (m != 1 or mode != TILE):
         raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
     split = splits > 1
@@ -479,6 +502,7 @@ def w4a16_gemm(
             HAS_ZP=zeros is not None,
             HAS_PERM=perm is not None,
             SPLIT=split,
+            LAYOUT=layout,
             **cfg,
         )
     else:

@@ -48,7 +48,16 @@ def _runner(path: Path, dtype: str = "float32", **kw: object) -> DraftRunner:
 def test_greedy_drafts_on_cuda_follow_the_engine(llama_ckpt: Path) -> None:
     llm = LLM(str(llama_ckpt), device="cuda", dtype="float32", num_kv_blocks=256)
     runner = _runner(llama_ckpt)
-    assert runner.worker.backend.name == "triton" and runner.worker.graphs is None
+    worker = runner.worker
+    assert worker.backend.name == "triton" and worker.graphs is not None
+    forward, replayed = worker.forward, []
+
+    def spy(step):  # steps of at most 64 tokens replay the draft's decode graphs
+        if step.graph_size:
+            replayed.append(step.max_query_len)
+        return forward(step)
+
+    worker.forward = spy
 
     def greedy(seqs: list[list[int]]) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -66,6 +75,7 @@ def test_greedy_drafts_on_cuda_follow_the_engine(llama_ckpt: Path) -> None:
             seqs[i] = s + ref[i][:kept] + [rng.randrange(3, 32000)]
     runner.reset()
     assert runner.block_manager.num_free_blocks == runner.block_manager.num_blocks
+    assert len(replayed) >= 12  # the decode steps of 4 calls, and the later catch-ups
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -22,7 +22,11 @@ STRESS = dict(
     max_num_batched_tokens=32, max_num_seqs=16, num_kv_blocks=24, block_size=16, max_model_len=160
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+# 16 prompts: past the default batch size at which speculation pauses
+NGRAM = dict(
+    speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3,
+    speculative_disable_by_batch_size=64,
+)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

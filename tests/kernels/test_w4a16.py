@@ -63,6 +63,15 @@ def _run(
     x = torch.randn(m, k, dtype=dtype, device=device)
     got = w4a16_gemm(x, **w, config=config)  # type: ignore[arg-type]
     ref = w4a16_gemm_ref(x, **w)  # type: ignore[arg-type]
+    cfg = config or w4a16_config(m, n, k, device)
+    groups = -(-k // group_size)
+    if cfg.get("GEMV") and w4a16.gemv_fits(group_size, groups, cfg["BLOCK_K"], False):
+        # the GEMV keeps each weight in fp32 (the tl.dot kernel and the reference round
+        # it to x's dtype first): its reference is the fp32 product
+        dense = dequantize_w4(w["qweight"], w["scales"], w["zeros"], group_size, k)  # type: ignore[arg-type]
+        perm = w["perm"]
+        xs = x.float() if perm is None else x.float()[:, perm.long()]  # type: ignore[union-attr]
+        ref = (xs @ dense).to(dtype)
     assert got.shape == (m, n) and got.dtype == dtype
     assert not got.isnan().any()
     torch.testing.assert_close(got, ref, **tolerances(dtype))
@@ -100,14 +109,17 @@ def test_w4a16_group_modes_and_splits(
     _run(3, 232, 40, group_size, torch.float16, device, config=cfg, asym=False)
 
 
+@pytest.mark.parametrize("layout", [0, 1, 2])
 @pytest.mark.parametrize("split", [1, 3, 16])
 @pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 64), (32, 232)])
 def test_w4a16_gemv_one_row(
-    split: int, block_k: int, group_size: int, device: torch.device
+    layout: int, split: int, block_k: int, group_size: int, device: torch.device
 ) -> None:
-    """The one-row kernel: tiles of one group (or one group in all), zero points or
-    not, an act-order permutation, every split count, K not a multiple of the tile."""
-    cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split}
+    """The one-row kernel in each layout: tiles of one group (or one group in all),
+    zero points or not, an act-order permutation, every split count, K not a multiple
+    of the tile."""
+    cfg = {"GEMV": 1, "LAYOUT": layout, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k}
+    cfg["SPLIT_K"] = split
     for dtype in kernel_dtypes():
         _run(1, 232, 40, group_size, dtype, device, config=cfg)
     _run(1, 232, 40, group_size, torch.float32, device, config=cfg, asym=False)
