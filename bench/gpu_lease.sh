@@ -147,10 +147,10 @@ plan_r4() {
      tests/kernels/test_w4a16.py -k "quantize_groups or gemv or 8b_shapes or graph"
    step tests-gpu 170 "${pt[@]}" -s tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py) &
   wait
-  step w4a16-gemm 60 python3 bench/kernels.py --only w4a16 --w4a16-sweep --out-dir "$RES"
+  step w4a16-gemm 100 python3 bench/kernels.py --only w4a16 --w4a16-sweep --out-dir "$RES"
   bench int4 60 int4
-  bench piecewise 100 piecewise
-  bench serve-piecewise 120 serve-piecewise --piecewise-concurrency 256
+  bench piecewise 130 piecewise
+  bench serve-piecewise 150 serve-piecewise --piecewise-concurrency 256
 }
 
 case "$1" in
