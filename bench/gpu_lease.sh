@@ -153,6 +153,21 @@ plan_r4() {
   bench serve-piecewise 150 serve-piecewise --piecewise-concurrency 256
 }
 
+# Next single-GPU lease: what r3/r4 left unmeasured. B with and without piecewise graphs
+# (r3 and r4 lost it: a piecewise engine's memory outlived it in the bench process; the
+# GPU test below says what holds it), the warm start in a process of its own, int4 C with
+# the GEMV defaults chosen from r4's sweep.
+plan_next() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 120 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-gpu 200 "${pt[@]}" tests/gpu/test_piecewise_cuda.py tests/gpu/test_int4_cuda.py &
+  wait
+  bench int4 150 int4
+  bench piecewise 200 piecewise
+  bench piecewise-warm 120 piecewise-warm
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -248,8 +248,8 @@ def test_report_rows_of_the_piecewise_phases() -> None:
         "piecewise": {
             "full_decode_only": b(7776.0, 32.7, 15.0),
             eb.PIECEWISE_MODE: b(9400.0, 22.0, 75.0),
-            "warm_load_s": 40.0,
         },
+        "piecewise-warm": {"warm_load_s": 40.0},
         "serve-piecewise": {
             "full_decode_only": {"256": _serve_result(22.5, 6875.0), "ready_s": 20.0},
             eb.PIECEWISE_MODE: {"256": _serve_result(15.0, 9000.0), "ready_s": 45.0},

@@ -470,3 +470,20 @@ def test_engines_in_one_process_compile_pieces_of_their_own(llama_ckpt: Path) ->
             assert _tokens(llm, PROMPTS[:4]) == eager
             assert "piecewise" in recorder.kinds
     assert codes[0] is not codes[1]
+
+
+def test_a_closed_piecewise_engine_frees_its_model(llama_ckpt: Path) -> None:
+    """After shutdown and the last reference, the weights are garbage: nothing (Dynamo's
+    cache on the engine's own forward code, the compiled pieces) keeps the model alive,
+    so a process can build the next engine (on a GPU: in the memory this one held)."""
+    import gc
+    import weakref
+
+    llm = LLM(str(llama_ckpt), **PIECEWISE, **STRESS)
+    assert llm.engine.worker.piecewise is not None
+    _tokens(llm, PROMPTS[:2])
+    weights = weakref.ref(llm.engine.worker.model.model.embed_tokens.weight)
+    llm.engine.core.shutdown()
+    del llm
+    gc.collect()
+    assert weights() is None

@@ -253,3 +253,21 @@ def test_a_restart_loads_compiled_pieces_from_the_cache(
     )
     assert (stats.compiled, stats.loaded) == (0, 3)
     assert second == first
+
+
+@pytest.mark.parametrize("mode", ["full_decode_only", "full_and_piecewise"])
+def test_a_closed_engine_frees_its_gpu_memory(llama_ckpt: Path, mode: str) -> None:
+    """After shutdown and the last reference the weights are garbage and their memory is
+    free: the 8B bench's third piecewise engine in one process ran out of memory
+    (2026-11-26). On failure, the referrers of the weights say what holds them."""
+    import weakref
+
+    llm = LLM(str(llama_ckpt), device="cuda", cuda_graph_mode=mode, **PIECEWISE, **STRESS)
+    llm.generate(PROMPTS[:2], GREEDY)
+    weight = llm.engine.worker.model.model.embed_tokens.weight
+    ref = weakref.ref(weight)
+    llm.engine.core.shutdown()
+    del llm, weight
+    gc.collect()
+    holders = [type(r).__name__ for r in gc.get_referrers(ref())] if ref() is not None else []
+    assert ref() is None, f"the weights are still held by {holders}"
