@@ -62,10 +62,9 @@ W4A16_PREFILL_M = 4096
 # num_stages); SPLIT_K is the heuristic's and its half and double
 W4A16_SWEEP = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3),
                (128, 256, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4))  # fmt: skip
-# the one-row GEMV's: K tiles within one 128-row group; each in every LAYOUT
+# the one-row GEMV's: K tiles within one 128-row group
 W4A16_GEMV_SWEEP = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3),
                     (64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 8, 3))  # fmt: skip
-W4A16_GEMV_LAYOUTS = (0, 1, 2)
 
 COPY = "copy"
 MATMUL = "matmul"
@@ -538,22 +537,21 @@ class Bench:
         # then the sweep's tiles with the heuristic's kernel
         configs = [dict(base), w4a16.w4a16_config(m, n, k, self.device, gemv=False)]
         gemv = bool(base.get("GEMV"))
-        kernels = [{"GEMV": 1, "LAYOUT": lay} for lay in W4A16_GEMV_LAYOUTS] if gemv else [{}]
+        kernel = {"GEMV": 1} if gemv else {}
         splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
-        for kernel in kernels:
-            for bn, bk, warps, stages in W4A16_GEMV_SWEEP if gemv else W4A16_SWEEP:
-                for split in sorted(splits):
-                    configs.append(
-                        dict(
-                            **kernel,
-                            BLOCK_M=base["BLOCK_M"],
-                            BLOCK_N=bn,
-                            BLOCK_K=bk,
-                            SPLIT_K=split,
-                            num_warps=warps,
-                            num_stages=stages,
-                        )
+        for bn, bk, warps, stages in W4A16_GEMV_SWEEP if gemv else W4A16_SWEEP:
+            for split in sorted(splits):
+                configs.append(
+                    dict(
+                        **kernel,
+                        BLOCK_M=base["BLOCK_M"],
+                        BLOCK_N=bn,
+                        BLOCK_K=bk,
+                        SPLIT_K=split,
+                        num_warps=warps,
+                        num_stages=stages,
                     )
+                )
         rows = []
         nbytes = w4a16_bytes(m, k, n, W4A16_GROUP, zeros=True)
         for i, cfg in enumerate(configs):

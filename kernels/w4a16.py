@@ -174,7 +174,7 @@ def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True
     """
     sms = num_sms(device)
     if m == 1 and gemv:  # the best of the H100 sweep at the 8B shapes (NOTES e13)
-        cfg = {"GEMV": 1, "LAYOUT": 0, "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128}
+        cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128}
         cfg["num_warps"] = 4
         cfg["num_stages"] = 1 if is_interpreter() else 4
     elif is_interpreter():
@@ -217,6 +217,50 @@ def _group_mode(group_size: int, groups: int, block_k: int, has_g_idx: bool) -> 
 
 
 # ---- kernels ---------------------------------------------------------------------------
+@triton.jit
+def _tile_rows(perm_ptr, k0, k_end, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr):
+    """The K tile at ``k0``: its weight rows' mask (rows ``< k_end``) and the activation
+    columns they multiply (``perm[k]`` for act-order weights, else ``k``)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_end
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+    else:
+        cols = offs_k
+    return k_mask, cols
+
+
+@triton.jit
+def _unpack_tile(
+    qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Codes of rows ``k0 .. k0 + BLOCK_K - 1`` (zero past ``k_end``) and columns
+    ``offs_n``: ``[BLOCK_K, BLOCK_N]`` fp32, from ``BLOCK_K / 8`` rows of packed words
+    (each holds rows 8r .. 8r+7 of one column)."""
+    offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    p_mask = offs_p * 8 < k_end
+    words = tl.load(
+        qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+        mask=p_mask[:, None] & n_mask[None, :],
+        other=0,
+    )
+    codes = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+
+
+@triton.jit
+def _group_scale(s_ptr, z_ptr, g, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP: tl.constexpr):
+    """Group ``g``'s scales ``s`` and ``-zero * s`` for columns ``offs_n`` (fp32
+    ``[BLOCK_N]``): ``w = code * s + (-zero * s)``, one FMA a weight."""
+    s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0)
+        zs = -z.to(tl.float32) * s
+    else:
+        zs = -8.0 * s
+    return s, zs
+
+
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["M", "stride_cs"])
 def _w4a16_kernel(
@@ -268,41 +312,22 @@ def _w4a16_kernel(
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    shifts = tl.arange(0, 8) * 4
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-        else:
-            cols = offs_k
+        k_mask, cols = _tile_rows(perm_ptr, k0, k_end, BLOCK_K, HAS_PERM)
         a = tl.load(
             a_ptr + offs_m[:, None].to(tl.int64) * stride_am + cols[None, :],
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        # packed words: each holds rows 8r .. 8r+7 of one column
-        offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        p_mask = offs_p * 8 < k_end
-        words = tl.load(
-            qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-            mask=p_mask[:, None] & n_mask[None, :],
-            other=0,
-        )
-        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        codes = _unpack_tile(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K, BLOCK_N)
 
         # w = (code - zero) * scale, computed as one FMA: code * scale + (-zero * scale)
         if GROUP_MODE == 0:  # TILE: one scale (and zero) row for the whole tile
-            g = k0 // GROUP_SIZE
-            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            if HAS_ZP:
-                z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0)
-                zs = -z.to(tl.float32) * s
-            else:
-                zs = -8.0 * s
+            s, zs = _group_scale(
+                s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
+            )
             s = s[None, :]
             zs = zs[None, :]
         elif GROUP_MODE == 1:  # MULTI: TG = BLOCK_K // GROUP_SIZE whole groups
@@ -320,6 +345,7 @@ def _w4a16_kernel(
             zs = tl.broadcast_to(zs[:, None, :], (TG, GROUP_SIZE, BLOCK_N))
             zs = tl.reshape(zs, (BLOCK_K, BLOCK_N))
         else:  # ROW: a group index per row
+            offs_k = k0 + tl.arange(0, BLOCK_K)
             if HAS_GIDX:
                 g = tl.load(gidx_ptr + offs_k, mask=k_mask, other=0)
             else:
@@ -375,63 +401,26 @@ def _w4a16_gemv_kernel(
     HAS_ZP: tl.constexpr,
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
-    LAYOUT: tl.constexpr,
 ):
-    """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group.
-
-    ``LAYOUT``: 0 (the default: fastest on an H100) unpacks a tile of words into
-    ``[BLOCK_K, BLOCK_N]`` codes and reduces over K every tile (``s sum c x + z' sum
-    x``); 1 unpacks the same way and keeps ``[BLOCK_K, BLOCK_N]`` partial products,
-    reduced once at the end (12-20% slower); 2 loads each code's word once per row
-    (``[BLOCK_K, BLOCK_N]`` loads, from L1 after the first; no reshape) and reduces at
-    the end (25-60% slower)."""
+    """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
+    tile adds ``s sum_k c x + z' sum_k x`` per column (reduced over K every tile: on an
+    H100 12-20% faster than keeping ``[BLOCK_K, BLOCK_N]`` partial products for one final
+    reduction, 25-60% faster than loading each row's word instead of unpacking a tile)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-        else:
-            cols = offs_k
+        k_mask, cols = _tile_rows(perm_ptr, k0, k_end, BLOCK_K, HAS_PERM)
         a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        if LAYOUT == 2:
-            words = tl.load(
-                qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-                mask=k_mask[:, None] & n_mask[None, :],
-                other=0,
-            )
-            codes = ((words >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
-        else:
-            offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            p_mask = offs_p * 8 < k_end
-            words = tl.load(
-                qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-                mask=p_mask[:, None] & n_mask[None, :],
-                other=0,
-            )
-            codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-            codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZP:
-            z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0)
-            zs = -z.to(tl.float32) * s
-        else:
-            zs = -8.0 * s
-        if LAYOUT == 0:
-            acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
-        else:
-            acc2 += (codes * s[None, :] + zs[None, :]) * a[:, None]
-    if LAYOUT != 0:
-        acc = tl.sum(acc2, axis=0)
+        codes = _unpack_tile(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K, BLOCK_N)
+        s, zs = _group_scale(
+            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
+        )
+        acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
     if SPLIT:
         tl.store(c_ptr + pid_k * stride_cs + offs_n, acc, mask=n_mask)
     else:
@@ -474,7 +463,6 @@ def w4a16_gemm(
     per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
     mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
     gemv = bool(cfg.pop("GEMV", 0))
-    layout = cfg.pop("LAYOUT", 0)
     if gemv and (m != 1 or mode != TILE):
         raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
     split = splits > 1
@@ -504,7 +492,6 @@ def w4a16_gemm(
             HAS_ZP=zeros is not None,
             HAS_PERM=perm is not None,
             SPLIT=split,
-            LAYOUT=layout,
             **cfg,
         )
     else:

@@ -109,17 +109,14 @@ def test_w4a16_group_modes_and_splits(
     _run(3, 232, 40, group_size, torch.float16, device, config=cfg, asym=False)
 
 
-@pytest.mark.parametrize("layout", [0, 1, 2])
 @pytest.mark.parametrize("split", [1, 3, 16])
 @pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 64), (32, 232)])
 def test_w4a16_gemv_one_row(
-    layout: int, split: int, block_k: int, group_size: int, device: torch.device
+    split: int, block_k: int, group_size: int, device: torch.device
 ) -> None:
-    """The one-row kernel in each layout: tiles of one group (or one group in all),
-    zero points or not, an act-order permutation, every split count, K not a multiple
-    of the tile."""
-    cfg = {"GEMV": 1, "LAYOUT": layout, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k}
-    cfg["SPLIT_K"] = split
+    """The one-row kernel: tiles of one group (or one group in all), zero points or
+    not, an act-order permutation, every split count, K not a multiple of the tile."""
+    cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split}
     for dtype in kernel_dtypes():
         _run(1, 232, 40, group_size, dtype, device, config=cfg)
     _run(1, 232, 40, group_size, torch.float32, device, config=cfg, asym=False)
