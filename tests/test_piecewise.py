@@ -479,7 +479,7 @@ def test_a_closed_piecewise_engine_frees_its_model(llama_ckpt: Path) -> None:
     import gc
     import weakref
 
-    llm = LLM(str(llama_ckpt), **PIECEWISE, **STRESS)
+    llm = LLM(str(llama_ckpt), piecewise_compiler="eager", **PIECEWISE, **STRESS)
     assert llm.engine.worker.piecewise is not None
     _tokens(llm, PROMPTS[:2])
     weights = weakref.ref(llm.engine.worker.model.model.embed_tokens.weight)
