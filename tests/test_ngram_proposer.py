@@ -116,4 +116,21 @@ def test_incremental_proposer_steady_state_for_256_sequences():
     # generous for a shared CI core (a few ms here; a decode step is ~10-20 ms on a GPU)
     assert per_step < 0.05, per_step
     p.release(range(256))
-    assert not p._index
+    assert not p._ends and not p._seqs
+
+
+def test_a_reused_seq_id_with_other_tokens_starts_over_and_release_forgets_it():
+    """A seq_id whose tokens are no longer a continuation (shorter than what was indexed)
+    is indexed afresh: its old n-grams neither match nor stay behind."""
+    p = NgramProposer(k=2, min_n=2, max_n=3)
+    first = [5, 6, 7, 5, 6, 7, 5, 6, 8, 9, 1, 2, 3]
+    p.propose([DraftRequest(1, first, 2)])
+    entries = len(p._ends)
+    assert entries > 0
+    other = [1, 2, 3, 1, 2]  # shorter: not the same sequence
+    out = p.propose([DraftRequest(1, other, 2)])
+    assert out.tokens[0, : out.num_tokens[0]].tolist() == _reference(other, 2, 2, 3) == [3, 1]
+    # only the new sequence's n-grams: ends 1..3 of sizes 2 and 3
+    assert len(p._ends) == 3 + 2
+    p.release([1])
+    assert not p._ends and not p._seqs
