@@ -119,6 +119,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "int4",
     "spec",
     "spec-piecewise",
+    "decode-kernels",
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
@@ -1010,22 +1011,39 @@ def _close(llm: Any) -> None:
     _free_gpu()
 
 
-def phase_allreduce(ckpt: Path) -> dict[str, Any]:
-    """TP=2 decode steps (CUDA-graph replays) under torch.profiler on rank 0: the NCCL
-    kernels' time per step against the step's time (each step synchronized)."""
+def kernel_table(
+    kernels: list[tuple[str, float]], steps: int, top: int = 25
+) -> list[dict[str, Any]]:
+    """CUDA kernels over ``steps`` steps (``(name, microseconds)``) -> the ``top`` kernel
+    names by time: launches and microseconds per step, names cut to 90 characters."""
+    by: dict[str, list[float]] = {}
+    for name, us in kernels:
+        acc = by.setdefault(name[:90], [0.0, 0.0])
+        acc[0] += 1
+        acc[1] += us
+    rows = [
+        {"kernel": k, "calls_per_step": n / steps, "us_per_step": us / steps}
+        for k, (n, us) in by.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
+def _profile_decode(llm: Any, batches: Sequence[int], tag: str) -> dict[str, Any]:
+    """Decode-only steps (CUDA-graph replays) at each batch size: the median synchronized
+    step time, then the same steps under torch.profiler: every CUDA kernel of this
+    process (rank 0's with tensor parallelism)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from kvscale.server import SamplingParams
 
-    llm = _llm(ckpt, tensor_parallel_size=2)
     eng = llm.engine
     res: dict[str, Any] = {}
     params = SamplingParams(temperature=0, max_tokens=4 * ALLREDUCE_STEPS, ignore_eos=True)
-    for batch in ALLREDUCE_BATCHES:
+    for batch in batches:
         for i, p in enumerate(_prompts(batch, 128, 40 + batch)):
-            eng.add_request(f"ar{batch}-{i}", p, params)
+            eng.add_request(f"{tag}{batch}-{i}", p, params)
         for _ in range(4):  # prefill (one 8,192-token step at most), then decode only
             eng.step()
         times = []
@@ -1046,13 +1064,50 @@ def phase_allreduce(ckpt: Path) -> dict[str, Any]:
             for e in prof.events()
             if e.device_type == DeviceType.CUDA
         ]
-        res[str(batch)] = allreduce_share(kernels, ALLREDUCE_STEPS, statistics.median(times))
+        res[str(batch)] = {"step_ms": statistics.median(times), "kernels": kernels}
+    return res
+
+
+def phase_allreduce(ckpt: Path) -> dict[str, Any]:
+    """TP=2 decode steps (CUDA-graph replays) under torch.profiler on rank 0: the NCCL
+    kernels' time per step against the step's time (each step synchronized)."""
+    llm = _llm(ckpt, tensor_parallel_size=2)
+    res: dict[str, Any] = {}
+    for batch, prof in _profile_decode(llm, ALLREDUCE_BATCHES, "ar").items():
+        kernels = prof["kernels"]
+        res[batch] = allreduce_share(kernels, ALLREDUCE_STEPS, prof["step_ms"])
         top: dict[str, float] = {}
         for name, us in kernels:
             if "nccl" in name.lower():
                 top[name[:80]] = top.get(name[:80], 0.0) + us
-        res[str(batch)]["nccl_kernels_us"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:5])
-        print(f"allreduce batch {batch}: {json.dumps(res[str(batch)])[:300]}", flush=True)
+        res[batch]["nccl_kernels_us"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:5])
+        res[batch]["kernels"] = kernel_table(kernels, ALLREDUCE_STEPS)
+        print(f"allreduce batch {batch}: {json.dumps(res[batch])[:300]}", flush=True)
+    _close(llm)
+    return res
+
+
+def phase_decode_kernels(ckpt: Path) -> dict[str, Any]:
+    """Where a TP=1 decode step's GPU time goes (batch 1 is workload C's step): the step
+    time, the kernels' total and the gap between (launch and host time the GPU idles),
+    and the kernels by time per step."""
+    llm = _llm(ckpt)
+    res: dict[str, Any] = {}
+    for batch, prof in _profile_decode(llm, ALLREDUCE_BATCHES, "dk").items():
+        gpu_ms = sum(us for _, us in prof["kernels"]) / ALLREDUCE_STEPS / 1e3
+        table = kernel_table(prof["kernels"], ALLREDUCE_STEPS)
+        res[batch] = {"step_ms": prof["step_ms"], "gpu_ms": gpu_ms, "kernels": table}
+        print(
+            f"decode kernels, batch {batch}: step {prof['step_ms']:.3f} ms, kernels "
+            f"{gpu_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches "
+            f"a step in the top {len(table)}",
+            flush=True,
+        )
+        for r in table:
+            print(
+                f"  {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}",
+                flush=True,
+            )
     _close(llm)
     return res
 
@@ -1666,6 +1721,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp2": lambda: phase_ours(ckpt, "CA", tensor_parallel_size=2),
         "serve-tp2": lambda: phase_serve(ckpt, out, conc, tensor_parallel_size=2),
         "allreduce": lambda: phase_allreduce(ckpt),
+        "decode-kernels": lambda: phase_decode_kernels(ckpt),
         "piecewise": lambda: phase_piecewise(ckpt, out / "compile-cache"),
         "piecewise-warm": lambda: phase_piecewise_warm(ckpt, out / "compile-cache"),
         "serve-piecewise": lambda: phase_serve_piecewise(

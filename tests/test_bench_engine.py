@@ -220,6 +220,16 @@ def test_tp_table_and_the_all_reduce_share() -> None:
     assert len(doc["tp_rows"]) == len(rows)
 
 
+def test_kernel_table_sums_each_kernel_per_step_largest_first() -> None:
+    kernels = [("gemm_a", 30.0), ("norm", 2.0), ("gemm_a", 34.0), ("norm", 2.5), ("x" * 120, 1.0)]
+    table = eb.kernel_table(kernels, steps=2, top=2)
+    assert table == [
+        {"kernel": "gemm_a", "calls_per_step": 1.0, "us_per_step": 32.0},
+        {"kernel": "norm", "calls_per_step": 1.0, "us_per_step": 2.25},
+    ]
+    assert eb.kernel_table(kernels, steps=1)[-1]["kernel"] == "x" * 90
+
+
 def test_tp2_phase_runs_an_engine_over_two_cpu_ranks(
     llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
