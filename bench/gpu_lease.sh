@@ -168,6 +168,31 @@ plan_next() {
   bench piecewise-warm 120 piecewise-warm
 }
 
+# Issue 23/18, 2026-11-26 third session (one GPU): the GPU tests no lease has run since
+# their last change (piecewise free-memory, int4 after the GEMV refactor, the engine after
+# the FP8 reference fix, draft and spec after the sidecar's array bookkeeping), the host
+# costs of speculation on this machine's CPU (n-gram proposals for 256 sequences, the
+# sidecar's round trip), where a batch-1 decode step's GPU time goes, then the measurements
+# r3/r4 left: speculation at batch 16 forced on, int4 C with the GEMV defaults, piecewise
+# graphs' B and warm start.
+plan_r5() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  (step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_w4a16.py \
+     tests/kernels/test_fp8_gemm.py
+   step tests-gpu 330 "${pt[@]}" -s tests/gpu/test_piecewise_cuda.py tests/gpu/test_int4_cuda.py \
+     tests/gpu/test_engine_cuda.py tests/gpu/test_draft_cuda.py tests/gpu/test_spec_cuda.py) &
+  wait
+  step tests-host 150 "${pt[@]}" -s tests/test_ngram_proposer.py tests/test_draft_sidecar.py
+  bench decode-kernels 120 decode-kernels
+  bench base 150 ceilings,ours
+  bench spec 360 spec
+  bench int4 150 int4
+  bench piecewise 200 piecewise
+  bench piecewise-warm 120 piecewise-warm
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
