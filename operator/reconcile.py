@@ -366,9 +366,10 @@ async def reconcile(
     # The status is written against the resourceVersion it was computed from: the
     # autoscaler writes ScalingActive (and the replica counts) meanwhile, and a merge patch
     # of a stale conditions list would put its old verdict back. On a conflict the pass
-    # recomputes from a fresh read, up to STATUS_ATTEMPTS times: a change to the status
-    # alone (the autoscaler's) triggers no later pass, so giving up after one retry could
-    # leave e.g. status.replicas stale (seen once in CI with two operators).
+    # recomputes from a fresh read, up to STATUS_ATTEMPTS times, then raises Conflict (the
+    # create/update handler retries the pass a second later): a change to the status
+    # alone (the autoscaler's) triggers no later pass, so a pass that gave up could leave
+    # e.g. status.replicas stale (seen once in CI with two operators).
     for attempt in range(1, STATUS_ATTEMPTS + 1):
         status = compute_status(
             llmd,
@@ -400,8 +401,13 @@ async def reconcile(
                 break
             if e.status != 409:
                 raise
+            if attempt == STATUS_ATTEMPTS:  # the handler retries the whole pass
+                raise Conflict(
+                    f"LLMDeployment {ns}/{name}: its status changed under each of "
+                    f"{STATUS_ATTEMPTS} status writes"
+                ) from e
             fresh = await api.get(LLMDEPLOYMENTS.path(ns, name))
-            if fresh is None or attempt == STATUS_ATTEMPTS:
+            if fresh is None:
                 break
             llmd = fresh
     out.status = status
