@@ -1,7 +1,8 @@
 """The draft sidecar: the wire format (round trips, malformed frames), the client's
-mirror and failure handling against in-thread servers, and real ``kvscale serve-draft``
-processes (same drafts as in process, round-trip time, SIGKILL and restart, another
-tokenizer refused)."""
+mirror (over random steps) and failure handling against in-thread servers, the
+round-trip overhead beyond a stand-in model in a sidecar process, and real ``kvscale
+serve-draft`` processes (same drafts as in process, round-trip time, SIGKILL and
+restart, another tokenizer refused)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from kvscale.server.spec_decode.draft_sidecar import (
     serve_draft,
     socket_path,
 )
+from kvscale.server.spec_decode.prefix import common_prefix_len
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 from kvscale.server.spec_decode.tokenizer_check import tokenizer_fingerprint
 from tests.draft_helpers import rows, swap_two_tokens
@@ -225,9 +227,14 @@ def thread_server(tmp_path: Path) -> Iterator[Callable[..., tuple[str, EchoModel
 def test_client_sends_only_new_tokens_and_mirrors_the_server(
     thread_server: Callable[..., tuple[str, EchoModel]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sent: list[list[SeqUpdate]] = []
-    encode = draft_sidecar.encode_propose
-    monkeypatch.setattr(draft_sidecar, "encode_propose", lambda u: sent.append(u) or encode(u))
+    sent: list[list[SeqUpdate]] = []  # each PROPOSE as the server decoded it
+    propose = draft_sidecar._Session.propose
+
+    def record(session: draft_sidecar._Session, frame: wire.ProposeFrame) -> bytes:
+        sent.append(frame.updates())
+        return propose(session, frame)
+
+    monkeypatch.setattr(draft_sidecar._Session, "propose", record)
     path, model = thread_server()
     client = SidecarProposer(f"unix://{path}", "fp", timeout_s=5)
     assert client.available and client.hello is not None and client.hello.max_k == 4
@@ -259,6 +266,111 @@ def test_client_sends_only_new_tokens_and_mirrors_the_server(
     assert client.propose([DraftRequest(1, seqs[1], 1)]).num_tokens.tolist() == [0]
     assert not client.available and client.num_failures == 1
     other.close()
+    client.close()
+
+
+def test_the_mirror_sends_the_longest_valid_prefix_over_a_changing_batch(
+    thread_server: Callable[..., tuple[str, EchoModel]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random steps: batches of changing composition and order, per-step k, some drafts
+    accepted, released and reused ids, and sequences replaced or shrunk without a release
+    (a broken contract: detected by the last sent token, then sent whole). Each step the
+    sidecar rebuilds exactly the caller's tokens, and ``keep`` is the longest prefix of
+    what it holds that is still valid (0 for a replaced sequence)."""
+    checked: list[int] = []
+    replaced: set[int] = set()
+    propose = draft_sidecar._Session.propose
+
+    def record(session: draft_sidecar._Session, frame: wire.ProposeFrame) -> bytes:
+        for u in frame.updates():
+            req = session.requests.get(u.seq_id)
+            held = [] if req is None else list(req.token_ids)
+            now = held[: u.keep] + list(u.new_tokens)
+            lcp = common_prefix_len(held, now)
+            assert u.keep == (0 if u.seq_id in replaced else lcp), (u.seq_id, u.keep, lcp)
+            checked.append(u.keep)
+        return propose(session, frame)
+
+    monkeypatch.setattr(draft_sidecar._Session, "propose", record)
+
+    class Params(EchoModel):  # records each request's parameters too
+        def __init__(self) -> None:
+            super().__init__()
+            self.params: list[list[tuple[int, float, int | None]]] = []
+
+        def propose(self, requests: list[DraftRequest]) -> Proposal:
+            self.params.append([(r.k, r.temperature, r.seed) for r in requests])
+            return super().propose(requests)
+
+    model = Params()
+    path, _ = thread_server(model)
+    client = SidecarProposer(path, "fp", timeout_s=5)
+    rng = np.random.default_rng(7)
+    sampling: dict[int, tuple[float, int | None]] = {}
+    ids: list[int] = []
+    seqs: dict[int, list[int]] = {}
+    drafts: dict[int, list[int]] = {}
+    next_id = 0
+    for step in range(120):
+        replaced.clear()
+        while len(seqs) < 12:  # new sequences
+            seqs[next_id] = [1, *rng.integers(3, 30000, int(rng.integers(1, 30))).tolist()]
+            next_id += 1
+        if step % 10 < 5 or not ids:  # some sit a step out; else the same batch again
+            ids = [s for s in seqs if rng.random() < 0.8]
+            if step % 7 == 0:
+                rng.shuffle(ids)
+        for sid in ids:
+            toks = seqs[sid]
+            if step and rng.random() < 0.03:  # replaced without a release
+                seqs[sid] = [1, *rng.integers(3, 30000, int(rng.integers(1, 30))).tolist()]
+                replaced.add(sid)
+            elif step and rng.random() < 0.03 and len(toks) > 2:  # shrunk
+                del toks[int(rng.integers(1, len(toks) - 1)) :]
+                replaced.add(sid)
+            else:  # some of its drafts accepted, then a token of the "target"
+                d = drafts.pop(sid, [])
+                toks += d[: int(rng.integers(0, len(d) + 1))]
+                toks.append(int(rng.integers(3, 30000)))
+            drafts.pop(sid, None)
+        for sid in ids:  # the sampling parameters change now and then
+            if sid not in sampling or rng.random() < 0.1:
+                seed = int(rng.integers(0, 1 << 40)) if rng.random() < 0.5 else None
+                sampling[sid] = (float(rng.choice([0.0, 0.7, 1.3])), seed)
+        reqs = [DraftRequest(s, seqs[s], int(rng.integers(1, 5)), *sampling[s]) for s in ids]
+        p = client.propose(reqs)
+        assert client.available and client.num_failures == 0, step
+        assert model.seen[-1] == [seqs[s] for s in ids], step  # rebuilt exactly
+        want = [(r.k, float(np.float32(r.temperature)), r.seed) for r in reqs]
+        assert model.params[-1] == want, step
+        assert rows(p) == [[(seqs[s][-1] + j) % 32000 for j in range(1, r.k + 1)]
+                           for s, r in zip(ids, reqs, strict=True)]  # fmt: skip
+        drafts.update(zip(ids, rows(p), strict=True))
+        if step % 5 == 4:  # some finish; their ids are reused at once
+            gone = [s for s in seqs if rng.random() < 0.2]
+            client.release(gone)
+            for sid in gone:
+                seqs[sid] = [1, *rng.integers(3, 30000, 5).tolist()]
+                drafts.pop(sid, None)
+    assert len(checked) > 1000 and sum(checked) > 0 and model.released
+    client.close()
+
+
+def test_frames_larger_than_the_socket_buffers_travel_whole(
+    thread_server: Callable[..., tuple[str, EchoModel]],
+) -> None:
+    """A prefill of several MB: the non-blocking writes and reads go on in pieces."""
+    path, model = thread_server()
+    client = SidecarProposer(path, "fp", timeout_s=30)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(3, 32000, 150_000).tolist() for _ in range(8)]
+    p = client.propose([DraftRequest(i, t, 3) for i, t in enumerate(seqs)])
+    assert client.available and model.seen[-1] == seqs
+    assert rows(p) == [[(t[-1] + j) % 32000 for j in (1, 2, 3)] for t in seqs]
+    for i, t in enumerate(seqs):
+        t += [*rows(p)[i][: i % 4], 7]
+    client.propose([DraftRequest(i, t, 3) for i, t in enumerate(seqs)])
+    assert client.available and model.seen[-1] == seqs
     client.close()
 
 
@@ -421,6 +533,75 @@ def _advance(reqs: list[DraftRequest], p: Proposal, step: int) -> list[DraftRequ
         toks = [*r.token_ids, *p.tokens[i, :kept].tolist(), 3 + (i * 7 + step) % 31000]
         out.append(DraftRequest(r.seq_id, toks, r.k, r.temperature, r.seed))
     return out
+
+
+# a sidecar process serving a stand-in draft model (numpy, next tokens): ~0 model time
+_STAND_IN_SIDECAR = """
+import signal, sys, threading
+import numpy as np
+from kvscale.server.spec_decode.draft_sidecar import serve_draft
+from kvscale.server.spec_decode.proposer import Proposal
+
+class NextTokens:
+    max_k, top_m, vocab_size = 4, 0, 32000
+    def propose(self, requests):
+        b, k = len(requests), max(r.k for r in requests)
+        last = np.fromiter((r.token_ids[-1] for r in requests), np.int64, b)
+        return Proposal((last[:, None] + np.arange(1, k + 1)) % 32000, np.full(b, k))
+    def release(self, seq_ids): pass
+    def reset(self): pass
+
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+serve_draft(NextTokens(), sys.argv[1], "fp", stop, lambda: print("ready", flush=True))
+"""
+
+
+def test_sidecar_round_trip_overhead_beyond_a_stand_in_model(sock_dir: Path) -> None:
+    """The issue's measure: a step's round trip on loopback beyond the sidecar's time in
+    the draft model, batch 64, k = 4, steady state (each sequence takes 1 to 5 tokens a
+    step: some drafts accepted, then the target's). The budget is 0.3 ms (the median of
+    the steps). Asserted: the best median of three rounds of 100 steps (a shared CI
+    machine: another job's burst can spoil a round) under 0.55 ms; the first sidecar's
+    rounds took 0.65 to 1.3 ms on the 2-core CI machine, this one's 0.2 to 0.35 (0.45
+    with the CPUs kept busy by other processes)."""
+    sock = str(sock_dir / "stand-in.sock")
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STAND_IN_SIDECAR, sock], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        client = SidecarProposer(sock, "fp", timeout_s=10)
+        rng = np.random.default_rng(0)
+        reqs = [
+            DraftRequest(i, [1, *rng.integers(3, 32000, 16).tolist()], 4, 0.8 * (i % 3 > 0))
+            for i in range(64)
+        ]
+        overheads, computes = [], []
+        for step in range(310):
+            p = client.propose(reqs)
+            assert client.available and p.num_tokens.tolist() == [4] * 64, step
+            if step >= 10:
+                overheads.append(client.last_round_trip_s - client.last_server_s)
+                computes.append(client.last_server_s)
+            for i, (r, row) in enumerate(zip(reqs, p.tokens.tolist(), strict=True)):
+                r.token_ids += row[: (i + step) % 5]  # type: ignore[operator]
+                r.token_ids.append(3 + (i * 7 + step) % 31000)  # type: ignore[attr-defined]
+        rounds = [statistics.median(overheads[i : i + 100]) for i in range(0, 300, 100)]
+        overhead = statistics.median(overheads)
+        print(
+            f"\nsidecar round trip, batch 64, k=4, stand-in model: {overhead * 1e3:.3f} ms "
+            f"beyond the model's {statistics.median(computes) * 1e3:.3f} ms (median of "
+            f"{len(overheads)} steps; p10 {np.percentile(overheads, 10) * 1e3:.3f}, p90 "
+            f"{np.percentile(overheads, 90) * 1e3:.3f} ms; rounds of 100: "
+            f"{', '.join(f'{r * 1e3:.3f}' for r in rounds)} ms; target 0.3 ms)"
+        )
+        assert min(rounds) < 0.55e-3
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_sidecar_process_drafts_as_in_process_and_survives_a_kill(

@@ -2,8 +2,10 @@
 
 Every frame is ``u32 body length`` then the body; a body starts with a ``u8`` kind. All
 integers and floats are little-endian. Pure functions: ``encode_*`` return whole frames
-(prefix included); ``frame_length`` checks a prefix, ``decode_frame`` a body; anything
-malformed or truncated raises ``ProtocolError`` (a ValueError) naming what is wrong.
+(prefix included; a PROPOSE from per-sequence ``SeqUpdate``s or, batched, from
+``propose_records`` columns); ``frame_length`` checks a prefix, ``decode_frame`` a body;
+anything malformed or truncated raises ``ProtocolError`` (a ValueError) naming what is
+wrong.
 
 Kinds and bodies (after the kind byte):
 
@@ -13,6 +15,7 @@ Kinds and bodies (after the kind byte):
   ``(i64 seq_id, i32 keep, i32 num_new, i32 k, f32 temperature, u8 has_seed, u64 seed)``
   then ``T = sum(num_new)`` int32 tokens. ``keep``: how many of the tokens the server
   holds for the sequence stay valid (its drafts included); the new tokens follow them.
+  A sequence appears at most once a frame.
 - PROPOSAL (server -> client, the answer): ``u32 B, u16 K, u16 M, u32 compute_us`` then
   tokens int32 ``[B, K]`` (-1 past num_tokens), num_tokens int32 ``[B]``, and when
   ``M > 0`` q_ids int32 ``[B, K, M]`` and q_probs float32 ``[B, K, M]`` (``M == 0``: no q,
@@ -27,7 +30,7 @@ import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 from typing import NamedTuple
 
 import numpy as np
@@ -57,6 +60,7 @@ RECORD = np.dtype(
 )  # packed: 33 bytes
 _MASK64 = (1 << 64) - 1
 _I32 = np.dtype("<i4")
+_I32_MAX = (1 << 31) - 1
 
 
 class ProtocolError(ValueError):
@@ -73,7 +77,8 @@ class Hello:
 
 
 class SeqUpdate(NamedTuple):
-    """One sequence of a PROPOSE frame (a NamedTuple: 64 of them are built every step)."""
+    """One sequence of a PROPOSE frame, for ``encode_propose`` and ``ProposeFrame.updates``
+    (the client's hot path builds the records column by column instead)."""
 
     seq_id: int
     keep: int
@@ -85,23 +90,37 @@ class SeqUpdate(NamedTuple):
 
 @dataclass
 class ProposeFrame:
-    """A decoded PROPOSE: ``records`` (``RECORD`` ``[B]``) and their new tokens."""
+    """A decoded PROPOSE: ``records`` (``RECORD`` ``[B]``) and their new tokens (int32
+    ``[T]``), and the columns the server reads as Python lists (converted once, while
+    checking them: ``tolist`` and the builtins are cheaper than numpy for one batch)."""
 
     records: np.ndarray
     tokens: np.ndarray  # int32 [T]
-    offsets: np.ndarray  # int64 [B + 1]: sequence i's new tokens are tokens[off[i]:off[i+1]]
+    offsets: list[int]  # B + 1: sequence i's new tokens are token_list[off[i]:off[i+1]]
+    seq_ids: list[int]
+    keep: list[int]
+    k: list[int]
+    temperature: list[float]  # the float32 values
+    has_seed: list[int]  # 0 or 1
+    token_list: list[int]  # ``tokens`` as ints
 
     def __len__(self) -> int:
         return len(self.records)
 
+    def seeds(self) -> list[int | None]:
+        """Each sequence's seed (None: unseeded)."""
+        if not any(self.has_seed):
+            return [None] * len(self.has_seed)
+        raw = self.records["seed"].tolist()
+        return [s if h else None for s, h in zip(raw, self.has_seed, strict=True)]
+
     def updates(self) -> list[SeqUpdate]:
         """The sequences, in order; ``new_tokens`` as lists of ints."""
-        r = self.records
-        cols = [r[name].tolist() for name in ("seq_id", "keep", "k", "temperature", "has_seed")]
-        seeds, tokens, off = r["seed"].tolist(), self.tokens.tolist(), self.offsets.tolist()
+        tokens, off = self.token_list, self.offsets
+        cols = (self.seq_ids, self.keep, self.k, self.temperature, self.seeds())
         return [
-            SeqUpdate(sid, keep, tokens[off[i] : off[i + 1]], k, temp, seeds[i] if has else None)
-            for i, (sid, keep, k, temp, has) in enumerate(zip(*cols, strict=True))
+            SeqUpdate(sid, keep, tokens[off[i] : off[i + 1]], k, temp, seed)
+            for i, (sid, keep, k, temp, seed) in enumerate(zip(*cols, strict=True))
         ]
 
 
@@ -136,32 +155,100 @@ def encode_hello(h: Hello) -> bytes:
     return _frame(_HELLO.pack(HELLO, h.version, h.vocab_size, h.max_k, h.top_m, len(fp)) + fp)
 
 
+def propose_records(
+    seq_ids: Sequence[int] | np.ndarray,
+    keep: Sequence[int] | np.ndarray,
+    num_new: Sequence[int] | np.ndarray,
+    k: Sequence[int] | np.ndarray,
+    temperature: Sequence[float] | np.ndarray,
+    seeds: Sequence[int | None],
+) -> np.ndarray:
+    """The ``RECORD`` ``[B]`` of a PROPOSE, built column by column (each of length ``B``;
+    a seed None: unseeded, the others travel mod 2**64). Raises ProtocolError for values
+    the format cannot carry, naming the sequence, the value and what is allowed."""
+    b = len(seq_ids)
+    rec = np.empty(b, RECORD)
+    if not b:
+        return rec
+    try:
+        rec["seq_id"] = seq_ids
+    except (OverflowError, TypeError, ValueError) as e:
+        bad = next((s for s in seq_ids if not -(2**63) <= int(s) < 2**63), None)
+        raise ProtocolError(f"PROPOSE: seq id {bad} does not fit int64 ({e})") from e
+    for name, col, hi in (
+        ("keep", keep, _I32_MAX),
+        ("num_new", num_new, _I32_MAX),
+        ("k", k, 0xFFFF),
+    ):
+        try:
+            arr = np.asarray(col, dtype=np.int64)
+            fits = bool(arr.min() >= 0 and arr.max() <= hi)
+        except OverflowError:  # a Python int past int64
+            fits = False
+        if not fits:
+            i = next(i for i, v in enumerate(col) if not 0 <= int(v) <= hi)
+            raise ProtocolError(f"seq {seq_ids[i]}: {name}={col[i]} is outside [0, {hi}]")
+        rec[name] = arr
+    temps = np.asarray(temperature, dtype=np.float64)
+    rec["temperature"] = temps
+    t32 = rec["temperature"]
+    if not (t32.min() >= 0 and t32.max() < math.inf):  # a NaN fails the first
+        i = int((~((temps >= 0) & np.isfinite(t32))).argmax())
+        raise ProtocolError(
+            f"seq {rec['seq_id'][i]}: temperature={temps[i]} must be finite and >= 0 "
+            "(and fit a float32)"
+        )
+    if seeds.count(None) == b:  # the usual case: no seeded request
+        rec["has_seed"] = 0
+        rec["seed"] = 0
+    else:
+        rec["has_seed"] = [s is not None for s in seeds]
+        rec["seed"] = [0 if s is None else int(s) & _MASK64 for s in seeds]
+    return rec
+
+
+def encode_propose_records(records: np.ndarray, tokens: np.ndarray) -> bytes:
+    """A PROPOSE frame of ``records`` (``RECORD`` ``[B]``, e.g. from ``propose_records``)
+    and their new tokens (integers ``[T]``, ``T = sum(num_new)``, in record order).
+    Raises ProtocolError for counts that do not add up or token ids outside int32."""
+    if records.dtype != RECORD:
+        raise ValueError(f"PROPOSE records must have the RECORD dtype, got {records.dtype}")
+    b, t = len(records), len(tokens)
+    counted = sum(records["num_new"].tolist())
+    if counted != t:
+        raise ProtocolError(f"PROPOSE: the records announce {counted} new tokens, got {t}")
+    if t and np.count_nonzero(tokens >> 31):  # not in [0, 2**31) (any integer dtype)
+        i = int(((tokens < 0) | (tokens > _I32_MAX)).argmax())
+        row = int(np.searchsorted(np.cumsum(records["num_new"]), i, side="right"))
+        raise ProtocolError(
+            f"seq {records['seq_id'][row]}: token id {tokens[i]} is out of range: "
+            "token ids must be in [0, 2**31)"
+        )
+    body = (_PROPOSE.pack(PROPOSE, b, t), records.tobytes(), tokens.astype(_I32).tobytes())
+    size = sum(map(len, body))
+    if size > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a frame of {size} bytes is over the {MAX_FRAME_BYTES} limit")
+    return b"".join((PREFIX.pack(size), *body))
+
+
 def encode_propose(updates: Sequence[SeqUpdate]) -> bytes:
-    """Raises ProtocolError for values the format cannot carry (negative counts, k over
-    65535, token ids outside int32)."""
-    b = len(updates)
-    for u in updates:  # checks on plain ints and floats (cheap; numpy would wrap them)
-        if u.keep < 0 or not 0 <= u.k <= 0xFFFF:
-            raise ProtocolError(f"seq {u.seq_id}: keep={u.keep}, k={u.k} out of range")
-        if not (0 <= u.temperature < math.inf):
-            raise ProtocolError(f"seq {u.seq_id}: temperature={u.temperature}")
-    rec = np.array(
-        [
-            (
-                u.seq_id, u.keep, len(u.new_tokens), u.k, u.temperature,
-                u.seed is not None, 0 if u.seed is None else int(u.seed) & _MASK64,
-            )
-            for u in updates
-        ],
-        dtype=RECORD,
-    )  # fmt: skip
-    flat = np.fromiter(chain.from_iterable(u.new_tokens for u in updates), dtype=np.int64)
-    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
+    """A PROPOSE frame of ``updates`` (the convenient, per-sequence form of
+    ``propose_records`` + ``encode_propose_records``). Raises ProtocolError for values the
+    format cannot carry (negative counts, k over 65535, token ids outside int32)."""
+    try:
+        flat = np.fromiter(chain.from_iterable(u.new_tokens for u in updates), dtype=np.int64)
+    except OverflowError as e:
         bad = next(u.seq_id for u in updates if any(not 0 <= t < 2**31 for t in u.new_tokens))
-        raise ProtocolError(f"seq {bad}: token ids must be in [0, 2**31)")
-    tokens = flat.astype(_I32)
-    head = _PROPOSE.pack(PROPOSE, b, tokens.size)
-    return _frame(head + rec.tobytes() + tokens.tobytes())
+        raise ProtocolError(f"seq {bad}: token ids must be in [0, 2**31)") from e
+    rec = propose_records(
+        [u.seq_id for u in updates],
+        [u.keep for u in updates],
+        [len(u.new_tokens) for u in updates],
+        [u.k for u in updates],
+        [u.temperature for u in updates],
+        [u.seed for u in updates],
+    )
+    return encode_propose_records(rec, flat)
 
 
 def encode_proposal(p: Proposal, compute_s: float = 0.0) -> bytes:
@@ -257,19 +344,24 @@ def _decode_propose(body: bytes) -> ProposeFrame:
     _need(body, _PROPOSE.size + b * RECORD.itemsize + 4 * t, "PROPOSE")
     rec = np.frombuffer(body, RECORD, b, _PROPOSE.size)
     tokens = np.frombuffer(body, _I32, t, _PROPOSE.size + b * RECORD.itemsize)
-    if b and (rec["keep"].min() < 0 or rec["num_new"].min() < 0 or rec["k"].min() < 0):
-        raise ProtocolError("PROPOSE: a negative keep, token count or k")
-    if b and not (np.isfinite(rec["temperature"]).all() and rec["temperature"].min() >= 0):
-        raise ProtocolError("PROPOSE: a temperature is negative or not finite")
-    if b and rec["has_seed"].max() > 1:
-        raise ProtocolError("PROPOSE: has_seed must be 0 or 1")
-    offsets = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(rec["num_new"], out=offsets[1:])
+    keep, num, k = rec["keep"].tolist(), rec["num_new"].tolist(), rec["k"].tolist()
+    temp, has = rec["temperature"].tolist(), rec["has_seed"].tolist()
+    token_list = tokens.tolist()
+    if b:  # checked on lists: the builtins beat numpy's reductions at this size
+        if min(keep) < 0 or min(num) < 0 or min(k) < 0:
+            raise ProtocolError("PROPOSE: a negative keep, token count or k")
+        if not (math.isfinite(sum(temp)) and min(temp) >= 0):  # NaN, inf: not finite
+            raise ProtocolError("PROPOSE: a temperature is negative or not finite")
+        if max(has) > 1:
+            raise ProtocolError("PROPOSE: has_seed must be 0 or 1")
+    offsets = list(accumulate(num, initial=0))
     if offsets[-1] != t:
         raise ProtocolError(f"PROPOSE: token counts add up to {offsets[-1]}, the frame has {t}")
-    if t and tokens.min() < 0:
+    if t and min(token_list) < 0:
         raise ProtocolError("PROPOSE: a negative token id")
-    return ProposeFrame(rec, tokens, offsets)
+    return ProposeFrame(
+        rec, tokens, offsets, rec["seq_id"].tolist(), keep, k, temp, has, token_list
+    )
 
 
 def _decode_proposal(body: bytes) -> ProposalFrame:
@@ -281,10 +373,12 @@ def _decode_proposal(body: bytes) -> ProposalFrame:
     off = _PROPOSAL.size
     tokens = np.frombuffer(body, _I32, b * k, off).reshape(b, k).astype(np.int64)
     off += 4 * b * k
-    num = np.frombuffer(body, _I32, b, off).astype(np.int64)
+    num32 = np.frombuffer(body, _I32, b, off)
     off += 4 * b
-    if b and (num.min() < 0 or num.max() > k):
+    nums = num32.tolist()
+    if b and (min(nums) < 0 or max(nums) > k):
         raise ProtocolError(f"PROPOSAL: num_tokens outside [0, {k}]")
+    num = num32.astype(np.int64)
     p = Proposal(tokens, num)
     if m:
         p.q_ids = np.frombuffer(body, _I32, n_q, off).reshape(b, k, m).copy()
