@@ -27,34 +27,6 @@ os.environ.setdefault(
 )
 
 
-def _image_test(item: pytest.Item) -> bool:
-    return Path(str(item.fspath)).parent.name == "images"
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The image smoke tests run last: their build starts with the session and runs in
-    the background meanwhile (``tests/images/build.py``)."""
-    items.sort(key=_image_test)  # stable: the order within each part is kept
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    from tests.images import build
-
-    if (
-        any(_image_test(i) for i in session.items)
-        and build.wanted()
-        and os.environ.get("KVSCALE_IMAGES_BUILT") != "1"
-    ):
-        build.start()
-
-
-def pytest_sessionfinish() -> None:
-    from tests.images import build
-
-    build.stop()
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_dynamo() -> Iterator[None]:
     """Each test module starts with Dynamo's caches empty, as a new server process does:
