@@ -35,9 +35,9 @@ from kvscale.server.spec_decode.draft_protocol import (
 )
 from kvscale.server.spec_decode.draft_runner import DraftRunner, draft_engine_config
 from kvscale.server.spec_decode.draft_sidecar import (
+    FrameReader,
     SidecarProposer,
     TokenizerMismatch,
-    recv_frame,
     serve_draft,
     socket_path,
 )
@@ -155,13 +155,14 @@ def test_reading_never_hangs() -> None:
     a, b = socket.socketpair()
     with a, b:
         a.sendall(wire.encode_release([1, 2])[:7])  # a partial frame, then silence
+        reader = FrameReader(b)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
-            recv_frame(b, time.monotonic() + 0.2)
+            reader.read(time.monotonic() + 0.2)
         assert time.monotonic() - t0 < 1.0
         a.close()
         with pytest.raises(ConnectionError, match="closed"):
-            recv_frame(b, time.monotonic() + 1.0)
+            reader.read(time.monotonic() + 1.0)
 
 
 def test_addresses() -> None:

@@ -103,31 +103,6 @@ def _wait(sock: socket.socket, event: int, deadline: float) -> None:
         pass
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes, or TimeoutError at ``deadline`` / ConnectionError if the peer closes."""
-    _nonblocking(sock)
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        try:
-            r = sock.recv_into(view[got:])
-        except BlockingIOError:
-            _wait(sock, select.POLLIN, deadline)
-            continue
-        if r == 0:
-            raise ConnectionError("the peer closed the connection" + (" mid-frame" if got else ""))
-        got += r
-        if got < n:
-            _remaining(deadline)
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket, deadline: float) -> bytes:
-    """One frame's body (reads exactly the frame: see ``FrameReader`` for fewer calls)."""
-    return recv_exact(sock, frame_length(recv_exact(sock, PREFIX.size, deadline)), deadline)
-
-
 class FrameReader:
     """Frames from a socket, reading whatever has arrived (a frame usually takes one
     call) and keeping what follows a frame for the next one."""
