@@ -130,6 +130,8 @@ class NgramProposer:
         _check(k, min_n, max_n)
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self._sizes = range(min_n, max_n + 1)
+        # [S, 1]: tokens an n-gram of each size needs before its end (n - 1)
+        self._before = np.arange(min_n - 1, max_n)[:, None]
         self._ends: dict[int, int] = {}  # n-gram key -> latest end position
         # seq_id -> (salt, ends indexed: 0 .. upto - 1, the tokens last seen)
         self._seqs: dict[int, tuple[int, int, Sequence[int]]] = {}
@@ -173,9 +175,7 @@ class NgramProposer:
         # index the ends upto .. length - 2 (a token follows each), with n - 1 before;
         # a key's later ends come later in the update, so the latest one stays
         new = (pos >= upto[seg]) & (pos <= length[seg] - 2)
-        take = new[None, :] & (
-            (pos - lo[seg])[None, :] >= np.arange(self.min_n - 1, self.max_n)[:, None]
-        )
+        take = new[None, :] & ((pos - lo[seg])[None, :] >= self._before)
         ends = self._ends
         ends.update(
             zip(keys[take].tolist(), np.broadcast_to(pos, take.shape)[take].tolist(), strict=True)
@@ -211,7 +211,7 @@ class NgramProposer:
             return
         toks = np.asarray(tokens[:upto], dtype=np.int64)
         keys = ngram_keys(toks, np.full(upto, salt, dtype=np.uint64), self._sizes)
-        fits = np.arange(upto)[None, :] >= np.arange(self.min_n - 1, self.max_n)[:, None]
+        fits = np.arange(upto)[None, :] >= self._before
         deque(map(self._ends.pop, keys[fits].tolist(), repeat(None)), 0)
 
     def release(self, seq_ids: Iterable[int]) -> None:
