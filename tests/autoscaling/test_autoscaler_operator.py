@@ -229,10 +229,16 @@ def test_status_and_the_scale_subresource(setup: Setup) -> None:
         "avg KV usage 0.90 > target 0.50 on 2 replicas -> 3"
     )
     assert status["lastScaleTime"].endswith("Z")
+
+    # status.replicas and READY follow the Deployment's status, which the kubelet reports
+    # after the scale-up: on a loaded machine that can trail the decision by seconds.
+    def row() -> list[str]:
+        return setup.kubectl("get", "llmd", NAME).splitlines()[1].split()
+
+    wait_for(lambda: row()[3] == "3", what="READY 3")
     scale = setup.kubectl.json("get", "llmd", NAME, "--subresource=scale")
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
-    row = setup.kubectl("get", "llmd", NAME).splitlines()[1].split()
-    assert row[3:6] == ["3", "3", "90"]  # READY DESIRED KV%
+    assert row()[3:6] == ["3", "3", "90"]  # READY DESIRED KV%
 
 
 def test_unreadable_metrics_keep_the_replicas(setup: Setup) -> None:
