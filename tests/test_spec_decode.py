@@ -12,7 +12,14 @@ import pytest
 
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.engine.sequence import Sequence, SequenceStatus
-from kvscale.server.engine.speculation import SpecStats, adapt, may_draft
+from kvscale.server.engine.speculation import (
+    MISS_PAUSE_MAX,
+    SpecStats,
+    Speculator,
+    adapt,
+    may_draft,
+)
+from kvscale.server.spec_decode.ngram_proposer import NgramProposer
 from tests.hf_reference import random_prompts
 
 NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
@@ -157,6 +164,56 @@ def test_may_draft_and_adapt() -> None:
     assert s.spec_pause > 0 and s.spec_k == 1
     st = SpecStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6)
     assert st.acceptance_rate == 0.5 and st.mean_accepted_length == 2.5
+
+
+def test_empty_proposals_back_off_and_a_match_resumes() -> None:
+    """n-gram on tokens that never repeat: proposals at steps 0, 2, 5, 10, 19, 36, 53
+    (pauses 1, 2, 4, 8, then MISS_PAUSE_MAX); once the tokens repeat, drafting resumes."""
+    spec = Speculator(NgramProposer(k=3, min_n=1, max_n=2), 3, disable_by_batch_size=8)
+    seq = _seq(max_tokens=1000)
+    seq.token_ids = list(range(100, 103))
+    seq.num_computed_tokens = seq.num_tokens - 1
+    proposed = []
+    for step in range(60):
+        if spec.ready([seq], 1000):
+            spec.draft([seq], 1000)
+            proposed.append(step)
+            assert seq.draft_tokens == []
+        seq.token_ids.append(200 + step)  # the step's token: never seen before
+        seq.num_computed_tokens += 1
+    assert MISS_PAUSE_MAX == 16 and proposed == [0, 2, 5, 10, 19, 36, 53]
+    seq.token_ids += [7, 8, 9, 7, 8]  # repeats: "7 8" -> 9
+    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.spec_pause = 0
+    assert spec.ready([seq], 1000)
+    spec.draft([seq], 1000)
+    assert seq.draft_tokens[:1] == [9] and seq.spec_misses == 0
+    # a batch too large to speculate ticks no pauses and proposes nothing
+    seq.spec_pause = 3
+    assert not spec.ready([seq] * 9, 1000) and seq.spec_pause == 3
+
+
+def test_requests_that_cannot_draft_run_pipelined_steps(echo_ckpt: Path) -> None:
+    """With n-gram configured, a batch whose only request asks for logprobs (it cannot
+    speculate) takes the normal pipelined steps, with the same tokens."""
+    prompts = _prompts()[:1]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    base = LLM(str(echo_ckpt), device="cpu").generate(prompts, sp)
+    llm = LLM(str(echo_ckpt), device="cpu", **NGRAM)
+    core = llm.engine.core
+    pipelined = 0
+    real_step = core.step
+
+    def step():  # counts the steps that left one in flight
+        nonlocal pipelined
+        out = real_step()
+        pipelined += core._inflight is not None
+        return out
+
+    core.step = step  # type: ignore[method-assign]
+    got = llm.generate(prompts, sp)
+    assert got[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+    assert pipelined >= 15 and llm.engine.stats().spec_num_drafts == 0
 
 
 def test_speculative_config_takes_vllm_keys(echo_ckpt: Path) -> None:

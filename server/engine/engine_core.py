@@ -23,10 +23,11 @@ once the previous step's tokens are read and fed to the grammars, the token bitm
 are filled and the sampling is enqueued. The GPU computes the forward pass meanwhile,
 so the pipeline loses only what the host's read and mask filling take beyond it.
 
-Speculative decoding (``speculation``): while the batch is small enough, steps are not
-pipelined: the step before is read first, drafts are proposed from the known tokens, and
-the step (last token + drafts per speculating sequence) is launched and read at once, so
-the host's scheduling no longer overlaps the GPU's work on those steps. A verify row
+Speculative decoding (``speculation``): a step in which some sequence may draft (the
+batch is small enough, see ``Speculator.ready``) is not pipelined: the step before is
+read first, drafts are proposed from the known tokens, and the step (last token + drafts
+per speculating sequence) is launched and read at once, so the host's scheduling and the
+proposer no longer overlap the GPU's work on those steps. A verify row
 emits its accepted drafts plus one token of the target's; the KV of rejected positions is
 rolled back (computed-token count and block table truncated, blocks freed).
 """
@@ -239,7 +240,7 @@ class EngineCore:
         """Launches the next batch, then returns the tokens of the step launched before
         (a speculative step returns its own)."""
         spec = self.speculator
-        if spec is not None and spec.active(self.scheduler.num_running):
+        if spec is not None and spec.ready(self.scheduler.running, self.max_model_len):
             return self._spec_step(spec)
         if self._awaiting_grammar:
             self._admit_compiled()

@@ -58,7 +58,8 @@ class Sequence:
     draft_q: tuple[Any, Any] | None = None
     spec_k: int = 0  # drafts to ask for next (adapted to this sequence's acceptance)
     spec_acceptance: float = 1.0  # moving average of accepted / drafted
-    spec_pause: int = 0  # steps left without drafting (after poor acceptance)
+    spec_pause: int = 0  # steps left without drafting (poor acceptance, empty proposals)
+    spec_misses: int = 0  # proposals in a row that drafted nothing
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -17,10 +17,16 @@ How many (``adapt``): ``k`` starts at ``num_speculative_tokens``; after each ver
 becomes the accepted count + 1 (all accepted: one more, up to the maximum), so a
 sequence whose drafts keep failing drafts one token at a time. A sequence whose moving
 acceptance rate falls under ``PAUSE_BELOW`` stops drafting for ``PAUSE_STEPS`` steps,
-then tries again with one token. Globally, speculation pauses while more than
-``speculative_disable_by_batch_size`` sequences run (the engine then runs its normal,
-pipelined steps): a large batch is compute bound and verifying ``k`` extra tokens per
-sequence costs more than the steps it saves.
+then tries again with one token. A proposal with no drafts (n-gram: no suffix matched;
+a sidecar that is down) pauses the sequence for 1, 2, 4, ... up to ``MISS_PAUSE_MAX``
+steps, doubling with each empty proposal in a row. Globally, speculation pauses while
+more than ``speculative_disable_by_batch_size`` sequences run: a large batch is compute
+bound and verifying ``k`` extra tokens per sequence costs more than the steps it saves.
+
+A step speculates (unpipelined, see ``engine_core``) only when some running sequence
+may draft in it (``Speculator.ready``); otherwise the engine runs its normal, pipelined
+step, so paused sequences, prefills and requests that cannot speculate (logprobs,
+grammars) cost nothing beyond the proposals actually made.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from kvscale.server.spec_decode.proposer import DraftRequest, Proposer
 
 PAUSE_BELOW = 0.15  # moving acceptance rate under which a sequence pauses drafting
 PAUSE_STEPS = 16
+MISS_PAUSE_MAX = 16  # longest pause after proposals with no drafts (steps)
 EMA = 0.3  # weight of the newest verify in the moving acceptance rate
 
 
@@ -103,19 +110,29 @@ class Speculator:
         """Whether this step speculates (the batch is small enough)."""
         return num_running <= self.disable_by_batch_size
 
-    def draft(self, running: Iterable[Sequence], max_model_len: int) -> None:
-        """Sets ``draft_tokens``/``draft_q`` of each running sequence (empty for those
-        that do not speculate this step)."""
-        seqs: list[Sequence] = []
-        requests: list[DraftRequest] = []
+    def ready(self, running: list[Sequence], max_model_len: int) -> bool:
+        """Whether this step speculates: the batch is small enough and some running
+        sequence may draft. Called once a step: counts the paused sequences' pauses down."""
+        if not self.active(len(running)):
+            return False
+        ready = False
         for seq in running:
-            seq.draft_tokens = []
-            seq.draft_q = None
             if seq.spec_pause > 0:
                 seq.spec_pause -= 1
                 continue
             if seq.spec_k == 0:
                 seq.spec_k = self.k  # first time
+            ready = ready or may_draft(seq, max_model_len) > 0
+        return ready
+
+    def draft(self, running: Iterable[Sequence], max_model_len: int) -> None:
+        """Sets ``draft_tokens``/``draft_q`` of each running sequence (empty for those
+        that do not speculate this step), after ``ready`` said this step speculates."""
+        seqs: list[Sequence] = []
+        requests: list[DraftRequest] = []
+        for seq in running:
+            seq.draft_tokens = []
+            seq.draft_q = None
             k = may_draft(seq, max_model_len)
             if k <= 0:
                 continue
@@ -132,7 +149,10 @@ class Speculator:
         for i, seq in enumerate(seqs):
             d = int(out.num_tokens[i])
             if d <= 0:
+                seq.spec_misses += 1
+                seq.spec_pause = min(MISS_PAUSE_MAX, 1 << min(seq.spec_misses - 1, 30))
                 continue
+            seq.spec_misses = 0
             seq.draft_tokens = out.tokens[i, :d].tolist()
             if out.q_ids is not None and out.q_probs is not None:
                 seq.draft_q = (out.q_ids[i, :d], out.q_probs[i, :d])
