@@ -35,11 +35,13 @@ from kvscale.server.spec_decode.draft_protocol import (
 )
 from kvscale.server.spec_decode.draft_runner import DraftRunner, draft_engine_config
 from kvscale.server.spec_decode.draft_sidecar import (
+    SPIN_MAX_S,
     FrameReader,
     SidecarProposer,
     TokenizerMismatch,
     serve_draft,
     socket_path,
+    spin_window,
 )
 from kvscale.server.spec_decode.prefix import common_prefix_len
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
@@ -603,6 +605,36 @@ def test_sidecar_round_trip_overhead_beyond_a_stand_in_model(sock_dir: Path) -> 
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_client_polls_through_the_drafts_compute_time(
+    thread_server: Callable[..., tuple[str, EchoModel]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft that takes 3 ms a step (a GPU draft takes milliseconds): after the first
+    step, whose time the client does not know yet, the client polls until the answer
+    comes instead of sleeping after its 1 ms window (a wake-up costs up to ~1 ms)."""
+    assert spin_window(0.001, 0.004) == pytest.approx(0.006)
+    assert spin_window(0.001, SPIN_MAX_S) == 0.001  # a CPU draft's cores stay free
+    polls: list[bool | None] = []
+    real = draft_sidecar.spin_until_readable
+
+    def recorded(sock: socket.socket, until: float) -> bool | None:
+        polls.append(real(sock, until))
+        return polls[-1]
+
+    monkeypatch.setattr(draft_sidecar, "spin_until_readable", recorded)
+    path, _ = thread_server(EchoModel(delay_s=0.003))
+    client = SidecarProposer(path, "fp", timeout_s=5)
+    reqs = [DraftRequest(i, [1, 2, 3 + i], 4) for i in range(8)]
+    for _ in range(40):
+        assert client.propose(reqs).num_tokens.tolist() == [4] * 8
+        for r in reqs:
+            r.token_ids.append(7)  # type: ignore[attr-defined]
+    client.close()
+    # the first poll lapses (1 ms against 3) and pauses polling for SPIN_BACKOFF_S; the
+    # later ones wait the answer out (a lapse now and then: another process took the CPU)
+    assert polls[0] is False and len(polls) >= 5
+    assert sum(p is True for p in polls[1:]) >= 0.7 * (len(polls) - 1), polls
 
 
 def test_sidecar_process_drafts_as_in_process_and_survives_a_kill(

@@ -160,6 +160,17 @@ class FrameReader:
 # it lost the CPU for a while, turns polling off for a while.
 SPIN_PREEMPTED_S = 0.0005  # a gap this long between two looks: the CPU went to another task
 SPIN_BACKOFF_S = 0.05  # then no polling for this long
+# The client also polls through the sidecar's own compute time of the last step (its
+# draft model's forwards: a GPU draft takes milliseconds, so a fixed window lapses and
+# the answer then waits for a wake-up), up to this long: a slower draft is a CPU one,
+# whose cores a polling client would take.
+SPIN_MAX_S = 0.02
+
+
+def spin_window(spin_s: float, last_compute_s: float) -> float:
+    """Seconds the client polls for an answer: ``spin_s`` past the sidecar's compute time
+    of the last step (with a quarter's margin), that time left out past ``SPIN_MAX_S``."""
+    return spin_s + (1.25 * last_compute_s if last_compute_s < SPIN_MAX_S else 0.0)
 
 
 def spin_until_readable(sock: socket.socket, until: float) -> bool | None:
@@ -625,7 +636,9 @@ class SidecarProposer:
         ``wait_s``: how long the constructor keeps trying to reach a sidecar that is not
         up yet (0: one attempt; unreachable, it starts unavailable and retries later);
         ``spin_s``: how long a step polls for the answer before it sleeps (waking a
-        process costs 0.05 to 1 ms: more than a whole round trip on a virtual machine).
+        process costs 0.05 to 1 ms: more than a whole round trip on a virtual machine),
+        beyond the sidecar's compute time of the last step when that is under
+        ``SPIN_MAX_S``.
         ValueError if the sidecar's tokenizer differs from the target's."""
         self.path = socket_path(address)
         self.expected_fingerprint = expected_fingerprint
@@ -774,7 +787,8 @@ class SidecarProposer:
         self._mirror.commit()  # while the sidecar works
         if self.spin_s > 0 and t0 >= self._no_spin_until:
             now = time.monotonic()
-            if not spin_until_readable(self._sock, min(deadline, now + self.spin_s)):
+            window = spin_window(self.spin_s, self.last_server_s)
+            if not spin_until_readable(self._sock, min(deadline, now + window)):
                 self._no_spin_until = time.monotonic() + SPIN_BACKOFF_S  # no answer in time
         reply = decode_frame(self._reader.read(deadline))
         if isinstance(reply, ErrorFrame):
