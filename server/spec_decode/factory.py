@@ -8,14 +8,19 @@ from kvscale.server.spec_decode.proposer import Proposer
 
 
 def make_proposer(config: ResolvedConfig) -> Proposer | None:
-    """n-gram lookup, the draft model in this process, or the client of its sidecar (which
-    starts unavailable and keeps retrying if the sidecar is not up yet). ValueError if the
-    draft's tokenizer differs from the target's."""
+    """n-gram lookup (on the GPU when the target runs on one, else on the host), the draft
+    model in this process, or the client of its sidecar (which starts unavailable and keeps
+    retrying if the sidecar is not up yet). ValueError if the draft's tokenizer differs from
+    the target's."""
     eng = config.engine
     k = eng.num_speculative_tokens
     if eng.speculative_method is None:
         return None
     if eng.speculative_method == "ngram":
+        if config.torch_device.type == "cuda":
+            from kvscale.server.spec_decode.ngram_device import DeviceNgramProposer
+
+            return DeviceNgramProposer(k, eng.ngram_min, eng.ngram_max, config.torch_device)
         return NgramProposer(k, eng.ngram_min, eng.ngram_max)
     assert eng.speculative_model is not None  # EngineConfig checks it
     if eng.draft_placement == "sidecar":

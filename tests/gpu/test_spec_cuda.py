@@ -48,6 +48,9 @@ def _tokens(path: Path, **kw: object) -> tuple[list[list[int]], object]:
         return forward(step)
 
     worker.forward = spy
+    spec = llm.engine.core.speculator
+    if spec is not None and spec.proposer.name == "ngram":  # on a GPU: its device lookup
+        assert type(spec.proposer).__name__ == "DeviceNgramProposer"
     outs = llm.generate(PROMPTS, GREEDY)
     stats = llm.engine.stats()
     llm.engine.core.shutdown()

@@ -1,0 +1,134 @@
+"""The n-gram proposer on the GPU: each sequence's tokens kept in a device buffer, the
+lookup one kernel launch for the whole batch (``kvscale.kernels.ngram_match``).
+
+The host's part of a step is what changed since the last one: the tokens each sequence
+accepted (a few per sequence), copied into its row with one scatter. The match itself
+scans every sequence's whole history on the GPU (a few microseconds for 256 sequences of
+2,048 tokens), and one small copy brings the drafts back. Same rule and the same drafts
+as ``NgramProposer`` (the host proposer, used on CPU).
+
+Memory: one int32 row per running sequence, ``max_model_len`` wide at most (grown by
+doubling to the longest sequence seen): 256 sequences of 8,192 tokens take 8 MiB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import chain, repeat
+from operator import getitem
+
+import numpy as np
+import torch
+
+from kvscale.server.spec_decode.ngram_proposer import _check
+from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
+
+MIN_WIDTH = 1024  # tokens a row holds at first
+
+
+class DeviceNgramProposer:
+    """``Proposer`` (name "ngram") whose lookups run on ``device`` (CUDA; on CPU only
+    under the Triton interpreter, for tests)."""
+
+    name = "ngram"
+
+    def __init__(self, k: int, min_n: int, max_n: int, device: torch.device) -> None:
+        _check(k, min_n, max_n)
+        from kvscale.kernels.ngram_match import ngram_match  # triton: only where used
+
+        self._match = ngram_match
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+        self._k_pow2 = 1 << (k - 1).bit_length()
+        self.device = device
+        self._hist = torch.zeros((0, MIN_WIDTH), dtype=torch.int32, device=device)
+        self._slot: dict[int, int] = {}  # seq_id -> row of _hist
+        self._free: list[int] = []
+        self._upto = np.zeros(0, np.int64)  # per row: tokens copied to the device
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        """Drafts of each request (point masses: q is None)."""
+        b = len(requests)
+        out = Proposal.empty(b, max((r.k for r in requests), default=1))
+        if b == 0:
+            return out
+        ids = [r.seq_id for r in requests]
+        toks = [r.token_ids for r in requests]
+        length = np.fromiter(map(len, toks), np.int64, count=b)
+        slots = np.fromiter(map(self._slot_of, ids), np.int64, count=b)
+        upto = self._upto[slots]
+        restart = upto > length  # not a continuation of what the row holds: start over
+        upto[restart] = 0
+        self._grow(int(length.max()))
+        new = length - upto
+        total = int(new.sum())
+        flat = np.fromiter(
+            chain.from_iterable(map(getitem, toks, map(slice, upto.tolist(), repeat(None)))),
+            np.int64,
+            count=total,
+        )
+        seg = np.repeat(np.arange(b), new)
+        pos = np.arange(total) - np.repeat(np.cumsum(new) - new, new) + upto[seg]
+        self._upto[slots] = length
+        # one copy to the device: the new tokens' rows, positions and ids; slots, lengths
+        buf = torch.from_numpy(np.concatenate((slots[seg], pos, flat, slots, length)))
+        buf = buf.to(self.device)
+        if total:
+            rows, cols, vals = buf[: 3 * total].view(3, total)
+            self._hist.index_put_((rows, cols), vals.to(torch.int32))
+        meta = buf[3 * total :].view(2, b)
+        drafts, num = self._match(
+            self._hist, meta[0], meta[1], self._k_pow2, self.min_n, self.max_n
+        )
+        both = torch.cat((drafts, num[:, None]), dim=1).cpu().numpy()  # one copy back
+        drafts, num = both[:, :-1], both[:, -1]
+        ks = np.fromiter((min(r.k, self.k) for r in requests), np.int64, count=b)
+        nums = np.where(num > 0, ks, 0)
+        cols = np.arange(out.tokens.shape[1])
+        width = min(out.tokens.shape[1], drafts.shape[1])
+        keep = cols[None, :width] < nums[:, None]
+        out.tokens[:, :width] = np.where(keep, drafts[:, :width], -1)
+        out.num_tokens[:] = nums
+        return out
+
+    def _slot_of(self, seq_id: int) -> int:
+        slot = self._slot.get(seq_id)
+        if slot is None:
+            if not self._free:
+                self._add_rows()
+            slot = self._slot[seq_id] = self._free.pop()
+            self._upto[slot] = 0
+        return slot
+
+    def _add_rows(self) -> None:
+        """Doubles the rows (at least 16)."""
+        rows, width = self._hist.shape
+        more = max(16, rows)
+        grown = torch.zeros((rows + more, width), dtype=torch.int32, device=self.device)
+        grown[:rows] = self._hist
+        self._hist = grown
+        self._upto = np.concatenate((self._upto, np.zeros(more, np.int64)))
+        self._free.extend(range(rows + more - 1, rows - 1, -1))
+
+    def _grow(self, length: int) -> None:
+        """Widens the rows to hold ``length`` tokens (doubling)."""
+        rows, width = self._hist.shape
+        if length <= width:
+            return
+        while width < length:
+            width *= 2
+        grown = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+        grown[:, : self._hist.shape[1]] = self._hist
+        self._hist = grown
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        for sid in seq_ids:
+            slot = self._slot.pop(sid, None)
+            if slot is not None:
+                self._upto[slot] = 0
+                self._free.append(slot)
+
+    def close(self) -> None:
+        self._slot.clear()
+        self._free.clear()
+        self._hist = torch.zeros((0, MIN_WIDTH), dtype=torch.int32, device=self.device)
+        self._upto = np.zeros(0, np.int64)
