@@ -193,6 +193,23 @@ plan_r5() {
   bench piecewise-warm 120 piecewise-warm
 }
 
+# Issue 18, 2026-11-26 fourth session (one GPU): the n-gram lookup on the GPU (kernel
+# tests natively, greedy identity and its cost for 256 sequences beside the host
+# proposer's), the sidecar client polling through the GPU draft's time (round trip beyond
+# the model), then every speculation configuration at batch 1 and 16 with the default
+# pause at 16 and the empty-proposal back-off.
+plan_r7() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  (step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_ngram_match.py
+   step tests-gpu 300 "${pt[@]}" -s tests/gpu/test_spec_cuda.py) &
+  wait
+  step tests-draft 200 "${pt[@]}" -s tests/gpu/test_draft_cuda.py
+  step tests-host 100 "${pt[@]}" -s tests/test_draft_sidecar.py -k "stand_in or polls_through"
+  bench spec 420 spec
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -220,12 +220,6 @@ def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str
         "none": {},
         "draft-inprocess": dict(speculative_method="draft", speculative_model=str(draft)),
         "ngram": dict(speculative_method="ngram"),
-        # speculation past the default pause (disable_by_batch_size 8): batch 16 drafts too
-        "draft-always": dict(
-            speculative_method="draft",
-            speculative_model=str(draft),
-            speculative_disable_by_batch_size=2 * max(BATCHES),
-        ),
     }
 
     def run(name: str, prepare: Any, repeat: bool, **kw: Any) -> None:
@@ -261,7 +255,7 @@ def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str
 def spec_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     """Per configuration and batch: TPOT against no speculation on the same target."""
     rows = []
-    for name in ("draft-inprocess", "draft-always", "draft-sidecar", "ngram", "echo-ngram"):
+    for name in ("draft-inprocess", "draft-sidecar", "ngram", "echo-ngram"):
         base = "echo-none" if name.startswith("echo") else "none"
         for b in BATCHES:
             got, ref = res.get(name, {}).get(f"b{b}"), res.get(base, {}).get(f"b{b}")
