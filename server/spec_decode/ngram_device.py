@@ -69,13 +69,17 @@ class DeviceNgramProposer:
         seg = np.repeat(np.arange(b), new)
         pos = np.arange(total) - np.repeat(np.cumsum(new) - new, new) + upto[seg]
         self._upto[slots] = length
-        # one copy to the device: the new tokens' rows, positions and ids; slots, lengths
-        buf = torch.from_numpy(np.concatenate((slots[seg], pos, flat, slots, length)))
-        buf = buf.to(self.device)
+        # One copy to the device: slots and lengths (each at a 16-byte aligned offset, so
+        # the kernel is not compiled again for another alignment), then the new tokens'
+        # rows, positions and ids.
+        b2 = b + (b & 1)
+        head = np.zeros(2 * b2, np.int64)
+        head[:b], head[b2 : b2 + b] = slots, length
+        buf = torch.from_numpy(np.concatenate((head, slots[seg], pos, flat))).to(self.device)
         if total:
-            rows, cols, vals = buf[: 3 * total].view(3, total)
+            rows, cols, vals = buf[2 * b2 :].view(3, total)
             self._hist.index_put_((rows, cols), vals.to(torch.int32))
-        meta = buf[3 * total :].view(2, b)
+        meta = buf[: 2 * b2].view(2, b2)[:, :b]
         drafts, num = self._match(
             self._hist, meta[0], meta[1], self._k_pow2, self.min_n, self.max_n
         )
