@@ -6,8 +6,9 @@ kernel finds the largest ``n`` in ``[min_n, max_n]`` such that the suffix ``t[L-
 also ends at some ``e <= L - 2``, the most recent such ``e``, and writes the ``k`` tokens
 that followed it, continued periodically past the end (token ``e + 1 + j % (L - 1 - e)``):
 the rule of ``server.spec_decode.ngram_proposer`` (whose ``ngram_lookup`` is the
-reference). Outputs: ``drafts [B, k]`` int32 (-1 where nothing matched) and
-``num [B]`` int32 (``k`` or 0).
+reference). Output: int32 ``[B, k + 1]``, each row the drafts (-1 where nothing matched)
+and then their number (``k`` or 0), so one copy brings a step's proposals back. The same
+launch can first write each sequence's new tokens into its row.
 
 Each program scans its sequence's ends in blocks, comparing the ``max_n`` tokens that end
 at each against the suffix, and keeps the best (length, end) as one int64 score: a
@@ -28,13 +29,16 @@ def _ngram_match_kernel(
     hist_ptr,
     slot_ptr,
     len_ptr,
-    drafts_ptr,
-    num_ptr,
+    upto_ptr,
+    start_ptr,
+    new_ptr,
+    out_ptr,
     num_seqs,
     stride_h,
     MIN_N: tl.constexpr,
     MAX_N: tl.constexpr,
     K: tl.constexpr,
+    UPDATE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -42,9 +46,20 @@ def _ngram_match_kernel(
     length = tl.load(len_ptr + b).to(tl.int64)
     row = hist_ptr + slot * stride_h
     offs = tl.arange(0, BLOCK)
+    if UPDATE:
+        # this sequence's new tokens into its row first (positions upto .. length - 1);
+        # the barrier makes them visible to the program's other threads
+        upto = tl.load(upto_ptr + b).to(tl.int64)
+        start = tl.load(start_ptr + b).to(tl.int64)
+        for i in range(0, length - upto, BLOCK):
+            o = i + offs
+            m = o < length - upto
+            tok = tl.load(new_ptr + start + o, mask=m, other=0)
+            tl.store(row + upto + o, tok.to(tl.int32), mask=m)
+        tl.debug_barrier()
     best = tl.full((), -1, tl.int64)
-    for start in range(0, length - 1, BLOCK):
-        ends = start + offs  # int64: start is
+    for first in range(0, length - 1, BLOCK):
+        ends = first + offs
         valid = ends <= length - 2
         run = valid
         mlen = tl.zeros((BLOCK,), tl.int64)
@@ -64,8 +79,8 @@ def _ngram_match_kernel(
     cols = tl.arange(0, K)
     idx = end + 1 + cols % period
     toks = tl.load(row + idx, mask=found & (idx < length), other=-1)
-    tl.store(drafts_ptr + b * K + cols, tl.where(found, toks, -1))
-    tl.store(num_ptr + b, tl.where(found, K, 0))
+    tl.store(out_ptr + b * (K + 1) + cols, tl.where(found, toks, -1))
+    tl.store(out_ptr + b * (K + 1) + K, tl.where(found, K, 0))
 
 
 def ngram_match(
@@ -75,11 +90,14 @@ def ngram_match(
     k: int,
     min_n: int,
     max_n: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``history [S, C]`` int32, ``slots [B]`` and ``lengths [B]`` (int32 or int64) on its
-    device ->
-    ``(drafts [B, k] int32, num [B] int32)`` (see the module docstring). ``k`` must be a
-    power of two (callers ask for the next one and cut)."""
+    device -> int32 ``[B, k + 1]``: each sequence's drafts (-1 where none) and, last, how
+    many (``k`` or 0); see the module docstring. ``k`` must be a power of two (callers ask
+    for the next one and cut). ``new = (upto [B], starts [B], tokens [N])``: first writes
+    sequence ``b``'s tokens ``upto[b] .. lengths[b] - 1``, found at ``tokens[starts[b]:]``,
+    into its row (the same launch)."""
     if history.dtype != torch.int32 or history.dim() != 2 or history.stride(1) != 1:
         raise ValueError(f"history must be a row-major [S, C] int32 tensor, got {history.dtype}")
     if k < 1 or k & (k - 1):
@@ -87,21 +105,24 @@ def ngram_match(
     if not 1 <= min_n <= max_n:
         raise ValueError(f"min_n={min_n}, max_n={max_n}: need 1 <= min_n <= max_n")
     b = slots.shape[0]
-    drafts = torch.empty((b, k), dtype=torch.int32, device=history.device)
-    num = torch.empty((b,), dtype=torch.int32, device=history.device)
+    out = torch.empty((b, k + 1), dtype=torch.int32, device=history.device)
+    upto, starts, tokens = new if new is not None else (lengths, lengths, lengths)
     if b:
         _ngram_match_kernel[(b,)](
             history,
             slots,
             lengths,
-            drafts,
-            num,
+            upto,
+            starts,
+            tokens,
+            out,
             b,
             history.stride(0),
             MIN_N=min_n,
             MAX_N=max_n,
             K=k,
+            UPDATE=new is not None,
             BLOCK=BLOCK,
             num_warps=4,
         )
-    return drafts, num
+    return out

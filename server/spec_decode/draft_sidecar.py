@@ -653,6 +653,7 @@ class SidecarProposer:
         self.hello: Hello | None = None
         self.last_round_trip_s = 0.0  # wall time of the last successful propose
         self.last_server_s = 0.0  # of which the sidecar's proposer took this long
+        self.last_wait_s = 0.0  # of which from the request sent to the answer read
         self._sock: socket.socket | None = None
         self._reader: FrameReader | None = None
         self._last_attempt = -float("inf")
@@ -784,13 +785,16 @@ class SidecarProposer:
             data = encode_release(self._release_queue) + data
             self._release_queue.clear()
         send_all(self._sock, data, deadline)
+        sent = time.monotonic()
         self._mirror.commit()  # while the sidecar works
         if self.spin_s > 0 and t0 >= self._no_spin_until:
             now = time.monotonic()
             window = spin_window(self.spin_s, self.last_server_s)
             if not spin_until_readable(self._sock, min(deadline, now + window)):
                 self._no_spin_until = time.monotonic() + SPIN_BACKOFF_S  # no answer in time
-        reply = decode_frame(self._reader.read(deadline))
+        frame = self._reader.read(deadline)
+        self.last_wait_s = time.monotonic() - sent
+        reply = decode_frame(frame)
         if isinstance(reply, ErrorFrame):
             raise SidecarError(f"the sidecar refused the step: {reply.message}")
         if not isinstance(reply, ProposalFrame):

@@ -2,9 +2,10 @@
 lookup one kernel launch for the whole batch (``kvscale.kernels.ngram_match``).
 
 The host's part of a step is what changed since the last one: the tokens each sequence
-accepted (a few per sequence), copied into its row with one scatter. The match itself
-scans every sequence's whole history on the GPU (a few microseconds for 256 sequences of
-2,048 tokens), and one small copy brings the drafts back. Same rule and the same drafts
+accepted (a few per sequence), sent in one copy with the batch's rows and lengths. One
+launch writes them into their rows and scans every sequence's whole history (tens of
+microseconds for 256 sequences of 2,048 tokens), and one small copy brings the drafts
+back. Same rule and the same drafts
 as ``NgramProposer`` (the host proposer, used on CPU).
 
 Memory: one int32 row per running sequence, ``max_model_len`` wide at most (grown by
@@ -56,41 +57,39 @@ class DeviceNgramProposer:
         length = np.fromiter(map(len, toks), np.int64, count=b)
         slots = np.fromiter(map(self._slot_of, ids), np.int64, count=b)
         upto = self._upto[slots]
-        restart = upto > length  # not a continuation of what the row holds: start over
-        upto[restart] = 0
+        upto[upto > length] = 0  # not a continuation of what the row holds: start over
         self._grow(int(length.max()))
         new = length - upto
-        total = int(new.sum())
         flat = np.fromiter(
             chain.from_iterable(map(getitem, toks, map(slice, upto.tolist(), repeat(None)))),
             np.int64,
-            count=total,
+            count=int(new.sum()),
         )
-        seg = np.repeat(np.arange(b), new)
-        pos = np.arange(total) - np.repeat(np.cumsum(new) - new, new) + upto[seg]
         self._upto[slots] = length
-        # One copy to the device: slots and lengths (each at a 16-byte aligned offset, so
-        # the kernel is not compiled again for another alignment), then the new tokens'
-        # rows, positions and ids.
+        # One copy to the device: slots, lengths, what each row holds, where each one's new
+        # tokens start (each column at a 16-byte aligned offset: the kernel is compiled
+        # once, not again for another alignment), then the new tokens.
         b2 = b + (b & 1)
-        head = np.zeros(2 * b2, np.int64)
-        head[:b], head[b2 : b2 + b] = slots, length
-        buf = torch.from_numpy(np.concatenate((head, slots[seg], pos, flat))).to(self.device)
-        if total:
-            rows, cols, vals = buf[2 * b2 :].view(3, total)
-            self._hist.index_put_((rows, cols), vals.to(torch.int32))
-        meta = buf[: 2 * b2].view(2, b2)[:, :b]
-        drafts, num = self._match(
-            self._hist, meta[0], meta[1], self._k_pow2, self.min_n, self.max_n
+        head = np.zeros((4, b2), np.int64)
+        head[0, :b], head[1, :b], head[2, :b] = slots, length, upto
+        head[3, :b] = np.cumsum(new) - new
+        buf = torch.from_numpy(np.concatenate((head.ravel(), flat))).to(self.device)
+        meta = buf[: 4 * b2].view(4, b2)[:, :b]
+        both = self._match(
+            self._hist,
+            meta[0],
+            meta[1],
+            self._k_pow2,
+            self.min_n,
+            self.max_n,
+            new=(meta[2], meta[3], buf[4 * b2 :]),
         )
-        both = torch.cat((drafts, num[:, None]), dim=1).cpu().numpy()  # one copy back
-        drafts, num = both[:, :-1], both[:, -1]
+        both = both.cpu().numpy()  # the one copy back: drafts, then their number
         ks = np.fromiter((min(r.k, self.k) for r in requests), np.int64, count=b)
-        nums = np.where(num > 0, ks, 0)
-        cols = np.arange(out.tokens.shape[1])
-        width = min(out.tokens.shape[1], drafts.shape[1])
-        keep = cols[None, :width] < nums[:, None]
-        out.tokens[:, :width] = np.where(keep, drafts[:, :width], -1)
+        nums = np.where(both[:, -1] > 0, ks, 0)
+        width = min(out.tokens.shape[1], self._k_pow2)
+        keep = np.arange(width)[None, :] < nums[:, None]
+        out.tokens[:, :width] = np.where(keep, both[:, :width], -1)
         out.num_tokens[:] = nums
         return out
 
