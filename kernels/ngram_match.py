@@ -91,13 +91,15 @@ def ngram_match(
     min_n: int,
     max_n: int,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``history [S, C]`` int32, ``slots [B]`` and ``lengths [B]`` (int32 or int64) on its
     device -> int32 ``[B, k + 1]``: each sequence's drafts (-1 where none) and, last, how
     many (``k`` or 0); see the module docstring. ``k`` must be a power of two (callers ask
     for the next one and cut). ``new = (upto [B], starts [B], tokens [N])``: first writes
     sequence ``b``'s tokens ``upto[b] .. lengths[b] - 1``, found at ``tokens[starts[b]:]``,
-    into its row (the same launch)."""
+    into its row (the same launch). ``out``: where to write the result (e.g. pinned host
+    memory, which the GPU writes directly); the inputs may be pinned host memory too."""
     if history.dtype != torch.int32 or history.dim() != 2 or history.stride(1) != 1:
         raise ValueError(f"history must be a row-major [S, C] int32 tensor, got {history.dtype}")
     if k < 1 or k & (k - 1):
@@ -105,7 +107,10 @@ def ngram_match(
     if not 1 <= min_n <= max_n:
         raise ValueError(f"min_n={min_n}, max_n={max_n}: need 1 <= min_n <= max_n")
     b = slots.shape[0]
-    out = torch.empty((b, k + 1), dtype=torch.int32, device=history.device)
+    if out is None:
+        out = torch.empty((b, k + 1), dtype=torch.int32, device=history.device)
+    elif out.shape != (b, k + 1) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 [{b}, {k + 1}], got {out.shape}")
     upto, starts, tokens = new if new is not None else (lengths, lengths, lengths)
     if b:
         _ngram_match_kernel[(b,)](

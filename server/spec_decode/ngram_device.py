@@ -2,11 +2,11 @@
 lookup one kernel launch for the whole batch (``kvscale.kernels.ngram_match``).
 
 The host's part of a step is what changed since the last one: the tokens each sequence
-accepted (a few per sequence), sent in one copy with the batch's rows and lengths. One
-launch writes them into their rows and scans every sequence's whole history (tens of
-microseconds for 256 sequences of 2,048 tokens), and one small copy brings the drafts
-back. Same rule and the same drafts
-as ``NgramProposer`` (the host proposer, used on CPU).
+accepted (a few per sequence), written with the batch's rows and lengths into pinned host
+memory that the GPU reads directly. One launch writes them into their rows and scans
+every sequence's whole history (tens of microseconds for 256 sequences of 2,048 tokens),
+and writes the drafts back into pinned memory: no copy to enqueue, one wait. Same rule
+and the same drafts as ``NgramProposer`` (the host proposer, used on CPU).
 
 Memory: one int32 row per running sequence, ``max_model_len`` wide at most (grown by
 doubling to the longest sequence seen): 256 sequences of 8,192 tokens take 8 MiB.
@@ -45,13 +45,20 @@ class DeviceNgramProposer:
         self._slot: dict[int, int] = {}  # seq_id -> row of _hist
         self._free: list[int] = []
         self._upto = np.zeros(0, np.int64)  # per row: tokens copied to the device
+        # The kernel's inputs and outputs live in pinned host memory, which the GPU reads
+        # and writes directly: a call is one launch and one wait, no copies to enqueue.
+        self._in = self._staging(64, torch.int64)
+        self._out = self._staging(16 * (self._k_pow2 + 1), torch.int32)
+
+    def _staging(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         """Drafts of each request (point masses: q is None)."""
         b = len(requests)
-        out = Proposal.empty(b, max((r.k for r in requests), default=1))
+        res = Proposal.empty(b, max((r.k for r in requests), default=1))
         if b == 0:
-            return out
+            return res
         ids = [r.seq_id for r in requests]
         toks = [r.token_ids for r in requests]
         length = np.fromiter(map(len, toks), np.int64, count=b)
@@ -66,32 +73,43 @@ class DeviceNgramProposer:
             count=int(new.sum()),
         )
         self._upto[slots] = length
-        # One copy to the device: slots, lengths, what each row holds, where each one's new
+        # The kernel's input: slots, lengths, what each row holds, where each one's new
         # tokens start (each column at a 16-byte aligned offset: the kernel is compiled
         # once, not again for another alignment), then the new tokens.
         b2 = b + (b & 1)
-        head = np.zeros((4, b2), np.int64)
+        size = 4 * b2 + len(flat)
+        if self._in.numel() < size:
+            self._in = self._staging(2 * size, torch.int64)
+        if self._out.numel() < b * (self._k_pow2 + 1):
+            self._out = self._staging(2 * b * (self._k_pow2 + 1), torch.int32)
+        buf = self._in.numpy()
+        head = buf[: 4 * b2].reshape(4, b2)
         head[0, :b], head[1, :b], head[2, :b] = slots, length, upto
-        head[3, :b] = np.cumsum(new) - new
-        buf = torch.from_numpy(np.concatenate((head.ravel(), flat))).to(self.device)
-        meta = buf[: 4 * b2].view(4, b2)[:, :b]
-        both = self._match(
+        np.cumsum(new, out=head[3, :b])
+        head[3, :b] -= new
+        buf[4 * b2 : size] = flat
+        meta = self._in[: 4 * b2].view(4, b2)[:, :b]
+        out = self._out[: b * (self._k_pow2 + 1)].view(b, self._k_pow2 + 1)
+        self._match(
             self._hist,
             meta[0],
             meta[1],
             self._k_pow2,
             self.min_n,
             self.max_n,
-            new=(meta[2], meta[3], buf[4 * b2 :]),
+            new=(meta[2], meta[3], self._in[4 * b2 : size]),
+            out=out,
         )
-        both = both.cpu().numpy()  # the one copy back: drafts, then their number
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        both = out.numpy()  # drafts, then their number
         ks = np.fromiter((min(r.k, self.k) for r in requests), np.int64, count=b)
         nums = np.where(both[:, -1] > 0, ks, 0)
-        width = min(out.tokens.shape[1], self._k_pow2)
+        width = min(res.tokens.shape[1], self._k_pow2)
         keep = np.arange(width)[None, :] < nums[:, None]
-        out.tokens[:, :width] = np.where(keep, both[:, :width], -1)
-        out.num_tokens[:] = nums
-        return out
+        res.tokens[:, :width] = np.where(keep, both[:, :width], -1)
+        res.num_tokens[:] = nums
+        return res
 
     def _slot_of(self, seq_id: int) -> int:
         slot = self._slot.get(seq_id)
