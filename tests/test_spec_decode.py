@@ -167,21 +167,22 @@ def test_may_draft_and_adapt() -> None:
 
 
 def test_empty_proposals_back_off_and_a_match_resumes() -> None:
-    """n-gram on tokens that never repeat: proposals at steps 0, 2, 5, 10, 19, 36, 53
-    (pauses 1, 2, 4, 8, then MISS_PAUSE_MAX); once the tokens repeat, drafting resumes."""
+    """n-gram on tokens that never repeat: proposals at steps 0, 2, 5, 10, 19, 36, 69, 134,
+    199 (pauses 1, 2, 4, ..., then MISS_PAUSE_MAX); once the tokens repeat, drafting
+    resumes."""
     spec = Speculator(NgramProposer(k=3, min_n=1, max_n=2), 3, disable_by_batch_size=8)
     seq = _seq(max_tokens=1000)
     seq.token_ids = list(range(100, 103))
     seq.num_computed_tokens = seq.num_tokens - 1
     proposed = []
-    for step in range(60):
+    for step in range(200):
         if spec.ready([seq], 1000):
             spec.draft([seq], 1000)
             proposed.append(step)
             assert seq.draft_tokens == []
         seq.token_ids.append(200 + step)  # the step's token: never seen before
         seq.num_computed_tokens += 1
-    assert MISS_PAUSE_MAX == 16 and proposed == [0, 2, 5, 10, 19, 36, 53]
+    assert MISS_PAUSE_MAX == 64 and proposed == [0, 2, 5, 10, 19, 36, 69, 134, 199]
     seq.token_ids += [7, 8, 9, 7, 8]  # repeats: "7 8" -> 9
     seq.num_computed_tokens = seq.num_tokens - 1
     seq.spec_pause = 0

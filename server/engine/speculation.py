@@ -39,7 +39,7 @@ from kvscale.server.spec_decode.proposer import DraftRequest, Proposer
 
 PAUSE_BELOW = 0.15  # moving acceptance rate under which a sequence pauses drafting
 PAUSE_STEPS = 16
-MISS_PAUSE_MAX = 16  # longest pause after proposals with no drafts (steps)
+MISS_PAUSE_MAX = 64  # longest pause after proposals with no drafts (steps)
 EMA = 0.3  # weight of the newest verify in the moving acceptance rate
 
 

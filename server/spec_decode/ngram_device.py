@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import chain, repeat
-from operator import getitem
+from operator import attrgetter, getitem
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from kvscale.server.spec_decode.ngram_proposer import _check
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 
 MIN_WIDTH = 1024  # tokens a row holds at first
+_K, _SEQ_ID, _TOKENS = attrgetter("k"), attrgetter("seq_id"), attrgetter("token_ids")
 
 
 class DeviceNgramProposer:
@@ -45,6 +46,8 @@ class DeviceNgramProposer:
         self._slot: dict[int, int] = {}  # seq_id -> row of _hist
         self._free: list[int] = []
         self._upto = np.zeros(0, np.int64)  # per row: tokens copied to the device
+        self._ids: list[int] | None = None  # the last batch's seq ids and their rows
+        self._slots = np.zeros(0, np.int64)
         # The kernel's inputs and outputs live in pinned host memory, which the GPU reads
         # and writes directly: a call is one launch and one wait, no copies to enqueue.
         self._in = self._staging(64, torch.int64)
@@ -56,13 +59,17 @@ class DeviceNgramProposer:
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         """Drafts of each request (point masses: q is None)."""
         b = len(requests)
-        res = Proposal.empty(b, max((r.k for r in requests), default=1))
         if b == 0:
-            return res
-        ids = [r.seq_id for r in requests]
-        toks = [r.token_ids for r in requests]
+            return Proposal.empty(0, 1)
+        ks = np.fromiter(map(_K, requests), np.int64, count=b)
+        res = Proposal.empty(b, int(ks.max()))
+        ids = list(map(_SEQ_ID, requests))
+        toks = list(map(_TOKENS, requests))
         length = np.fromiter(map(len, toks), np.int64, count=b)
-        slots = np.fromiter(map(self._slot_of, ids), np.int64, count=b)
+        if ids != self._ids:  # another batch than the last: look its rows up
+            self._slots = np.fromiter(map(self._slot_of, ids), np.int64, count=b)
+            self._ids = ids
+        slots = self._slots
         upto = self._upto[slots]
         upto[upto > length] = 0  # not a continuation of what the row holds: start over
         self._grow(int(length.max()))
@@ -103,8 +110,7 @@ class DeviceNgramProposer:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         both = out.numpy()  # drafts, then their number
-        ks = np.fromiter((min(r.k, self.k) for r in requests), np.int64, count=b)
-        nums = np.where(both[:, -1] > 0, ks, 0)
+        nums = np.where(both[:, -1] > 0, np.minimum(ks, self.k), 0)
         width = min(res.tokens.shape[1], self._k_pow2)
         keep = np.arange(width)[None, :] < nums[:, None]
         res.tokens[:, :width] = np.where(keep, both[:, :width], -1)
@@ -142,6 +148,7 @@ class DeviceNgramProposer:
         self._hist = grown
 
     def release(self, seq_ids: Iterable[int]) -> None:
+        self._ids = None  # a released id may come back in another row
         for sid in seq_ids:
             slot = self._slot.pop(sid, None)
             if slot is not None:
@@ -149,6 +156,7 @@ class DeviceNgramProposer:
                 self._free.append(slot)
 
     def close(self) -> None:
+        self._ids = None
         self._slot.clear()
         self._free.clear()
         self._hist = torch.zeros((0, MIN_WIDTH), dtype=torch.int32, device=self.device)
