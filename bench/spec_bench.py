@@ -122,10 +122,14 @@ def measure(llm: Any, batch: int, repeat: bool = False) -> dict[str, Any]:
     sp = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     before = eng.stats()
+    spec = eng.core.speculator
+    propose_before, wall = (spec.propose_s if spec else 0.0), 0.0
     tpots = []
     for _ in range(REPEATS):
         eng.reset_prefix_cache()
+        t0 = time.perf_counter()
         outs = llm.generate(prompts, sp)
+        wall += time.perf_counter() - t0
         per = [
             (o.metrics["finished_time"] - o.metrics["first_token_time"]) / (OUT_LEN - 1)
             for o in outs
@@ -142,6 +146,8 @@ def measure(llm: Any, batch: int, repeat: bool = False) -> dict[str, Any]:
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,
         "drafted_tokens": drafted,
+        # the share of the runs' wall time spent in the proposer (host and its GPU work)
+        "propose_share": ((spec.propose_s - propose_before) / wall) if spec else None,
     }
 
 
@@ -249,6 +255,18 @@ def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str
             proc.wait(30)
     run("echo-none", make_echo, True)
     run("echo-ngram", make_echo, True, speculative_method="ngram")
+    # n-gram proposals for 256 sequences at once (speculation forced on past its default
+    # pause at 16): their share of a step, the verify step they precede included
+    for name, kw in (("echo-none", {}), ("echo-ngram", dict(speculative_method="ngram"))):
+        try:
+            llm = make_llm(num_speculative_tokens=K, speculative_disable_by_batch_size=512,
+                           **mem, **kw)  # fmt: skip
+            make_echo(llm)
+            res[name]["b256"] = measure(llm, 256, repeat=True)
+            close(llm)
+        except Exception as e:
+            res[name]["b256"] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[spec] {name} b256: {res[name]['b256']}", flush=True)
     return res
 
 
@@ -257,9 +275,9 @@ def spec_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name in ("draft-inprocess", "draft-sidecar", "ngram", "echo-ngram"):
         base = "echo-none" if name.startswith("echo") else "none"
-        for b in BATCHES:
+        for b in (*BATCHES, 256):
             got, ref = res.get(name, {}).get(f"b{b}"), res.get(base, {}).get(f"b{b}")
-            if not got or not ref:
+            if not got or not ref or "error" in got or "error" in ref:
                 continue
             rows.append(
                 {
@@ -270,6 +288,7 @@ def spec_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                     "ratio": got["tpot_ms"] / ref["tpot_ms"],
                     "acceptance_rate": got["acceptance_rate"],
                     "mean_accepted_length": got["mean_accepted_length"],
+                    "propose_share": got.get("propose_share"),
                 }
             )
     return rows
@@ -284,13 +303,15 @@ def format_spec_table(res: dict[str, Any]) -> str:
         return "n/a" if x is None else format(x, fmt)
 
     lines = [
-        "| configuration | batch | TPOT ms | without | ratio | acceptance | mean accepted length |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| configuration | batch | TPOT ms | without | ratio | acceptance | mean accepted length "
+        "| time proposing |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['batch']} | {r['tpot_ms']:.2f} | {r['base_tpot_ms']:.2f} | "
             f"{r['ratio']:.2f}x | {f(r['acceptance_rate'], '.2f')} | "
-            f"{f(r['mean_accepted_length'], '.2f')} |"
+            f"{f(r['mean_accepted_length'], '.2f')} | "
+            f"{f(r['propose_share'] and 100 * r['propose_share'], '.1f')}% |"
         )
     return "\n".join(lines)

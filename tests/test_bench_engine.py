@@ -389,14 +389,16 @@ def test_spec_bench_builds_a_draft_that_loads_and_agrees(llama_ckpt: Path, tmp_p
 
 def test_spec_table() -> None:
     sb = eb.spec_bench
-    run = {"tpot_ms": 2.0, "acceptance_rate": 0.8, "mean_accepted_length": 4.2}
+    run = {"tpot_ms": 2.0, "acceptance_rate": 0.8, "mean_accepted_length": 4.2,
+           "propose_share": 0.012}  # fmt: skip
     base = {"tpot_ms": 5.0, "acceptance_rate": None, "mean_accepted_length": None}
-    res = {"none": {"b1": base}, "draft-inprocess": {"b1": run}}
+    res = {"none": {"b1": base, "b256": base}, "draft-inprocess": {"b1": run, "b256": run}}
     rows = sb.spec_rows(res)
-    assert rows == [
-        {"config": "draft-inprocess", "batch": 1, "tpot_ms": 2.0, "base_tpot_ms": 5.0,
-         "ratio": 0.4, "acceptance_rate": 0.8, "mean_accepted_length": 4.2}
-    ]  # fmt: skip
-    assert "| draft-inprocess | 1 | 2.00 | 5.00 | 0.40x | 0.80 | 4.20 |" in sb.format_spec_table(
-        res
-    )
+    assert rows[0] == {
+        "config": "draft-inprocess", "batch": 1, "tpot_ms": 2.0, "base_tpot_ms": 5.0,
+        "ratio": 0.4, "acceptance_rate": 0.8, "mean_accepted_length": 4.2,
+        "propose_share": 0.012,
+    }  # fmt: skip
+    assert [r["batch"] for r in rows] == [1, 256]
+    table = sb.format_spec_table(res)
+    assert "| draft-inprocess | 1 | 2.00 | 5.00 | 0.40x | 0.80 | 4.20 | 1.2% |" in table

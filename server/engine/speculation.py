@@ -31,6 +31,7 @@ grammars) cost nothing beyond the proposals actually made.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -105,6 +106,7 @@ class Speculator:
         self.k = k
         self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats(accepted_per_pos=[0] * k)
+        self.propose_s = 0.0  # wall time in the proposer (seconds, cumulative)
 
     def active(self, num_running: int) -> bool:
         """Whether this step speculates (the batch is small enough)."""
@@ -145,7 +147,9 @@ class Speculator:
             )
         if not requests:
             return
+        t0 = time.perf_counter()
         out = self.proposer.propose(requests)
+        self.propose_s += time.perf_counter() - t0
         for i, seq in enumerate(seqs):
             d = int(out.num_tokens[i])
             if d <= 0:
