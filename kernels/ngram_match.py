@@ -17,6 +17,7 @@ proposal for a batch is one launch, whatever the batch and the lengths.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -24,16 +25,12 @@ import triton.language as tl
 BLOCK = 256  # ends compared per loop iteration
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_h"])
+@triton.jit(do_not_specialize=["b2", "stride_h"])
 def _ngram_match_kernel(
     hist_ptr,
-    slot_ptr,
-    len_ptr,
-    upto_ptr,
-    start_ptr,
-    new_ptr,
+    in_ptr,
     out_ptr,
-    num_seqs,
+    b2,
     stride_h,
     MIN_N: tl.constexpr,
     MAX_N: tl.constexpr,
@@ -42,19 +39,19 @@ def _ngram_match_kernel(
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    length = tl.load(len_ptr + b).to(tl.int64)
+    slot = tl.load(in_ptr + b)
+    length = tl.load(in_ptr + b2 + b)
     row = hist_ptr + slot * stride_h
     offs = tl.arange(0, BLOCK)
     if UPDATE:
         # this sequence's new tokens into its row first (positions upto .. length - 1);
         # the barrier makes them visible to the program's other threads
-        upto = tl.load(upto_ptr + b).to(tl.int64)
-        start = tl.load(start_ptr + b).to(tl.int64)
+        upto = tl.load(in_ptr + 2 * b2 + b)
+        new_ptr = in_ptr + 4 * b2 + tl.load(in_ptr + 3 * b2 + b)
         for i in range(0, length - upto, BLOCK):
             o = i + offs
             m = o < length - upto
-            tok = tl.load(new_ptr + start + o, mask=m, other=0)
+            tok = tl.load(new_ptr + o, mask=m, other=0)
             tl.store(row + upto + o, tok.to(tl.int32), mask=m)
         tl.debug_barrier()
     best = tl.full((), -1, tl.int64)
@@ -83,50 +80,75 @@ def _ngram_match_kernel(
     tl.store(out_ptr + b * (K + 1) + K, tl.where(found, K, 0))
 
 
+def pack_inputs(
+    slots: np.ndarray,
+    lengths: np.ndarray,
+    upto: np.ndarray | None = None,
+    tokens: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The kernel's int64 input for ``B`` sequences, ``B2 = B`` rounded up to even (each
+    part 16-byte aligned: one compiled kernel for every batch): ``[slots | lengths | upto
+    | starts]``, ``B2`` each, then the new tokens. ``upto [B]``: the tokens each row holds
+    already; ``tokens``: each sequence's tokens ``upto .. length - 1``, in order (None: no
+    update). Written into ``out`` (e.g. a view of pinned memory) when given."""
+    b = len(slots)
+    b2 = b + (b & 1)
+    n = 0 if tokens is None else len(tokens)
+    buf = np.empty(4 * b2 + n, np.int64) if out is None else out[: 4 * b2 + n]
+    head = buf[: 4 * b2].reshape(4, b2)
+    head[0, :b], head[1, :b] = slots, lengths
+    if tokens is not None:
+        assert upto is not None
+        new = lengths - upto
+        head[2, :b] = upto
+        np.cumsum(new, out=head[3, :b])
+        head[3, :b] -= new
+        buf[4 * b2 :] = tokens
+    return buf
+
+
 def ngram_match(
     history: torch.Tensor,
-    slots: torch.Tensor,
-    lengths: torch.Tensor,
+    packed: torch.Tensor,
+    num_seqs: int,
     k: int,
     min_n: int,
     max_n: int,
-    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    update: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``history [S, C]`` int32, ``slots [B]`` and ``lengths [B]`` (int32 or int64) on its
-    device -> int32 ``[B, k + 1]``: each sequence's drafts (-1 where none) and, last, how
-    many (``k`` or 0); see the module docstring. ``k`` must be a power of two (callers ask
-    for the next one and cut). ``new = (upto [B], starts [B], tokens [N])``: first writes
-    sequence ``b``'s tokens ``upto[b] .. lengths[b] - 1``, found at ``tokens[starts[b]:]``,
-    into its row (the same launch). ``out``: where to write the result (e.g. pinned host
-    memory, which the GPU writes directly); the inputs may be pinned host memory too."""
+    """``history [S, C]`` int32 and ``packed`` (``pack_inputs``, int64) -> int32
+    ``[num_seqs, k + 1]``: each sequence's drafts (-1 where none) and, last, how many
+    (``k`` or 0); see the module docstring. ``update``: first writes each sequence's new
+    tokens into its row (the same launch). ``k`` must be a power of two (callers ask for
+    the next one and cut). ``out``: a contiguous int32 buffer of at least
+    ``num_seqs * (k + 1)`` values to write those rows into, returned as given. ``packed``
+    and ``out`` may be pinned host memory, which the GPU reads and writes directly."""
     if history.dtype != torch.int32 or history.dim() != 2 or history.stride(1) != 1:
         raise ValueError(f"history must be a row-major [S, C] int32 tensor, got {history.dtype}")
     if k < 1 or k & (k - 1):
         raise ValueError(f"k={k}: must be a power of two")
     if not 1 <= min_n <= max_n:
         raise ValueError(f"min_n={min_n}, max_n={max_n}: need 1 <= min_n <= max_n")
-    b = slots.shape[0]
+    b = num_seqs
     if out is None:
         out = torch.empty((b, k + 1), dtype=torch.int32, device=history.device)
-    elif out.shape != (b, k + 1) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 [{b}, {k + 1}], got {out.shape}")
-    upto, starts, tokens = new if new is not None else (lengths, lengths, lengths)
+    if out.dtype != torch.int32 or out.numel() < b * (k + 1) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 buffer of >= {b * (k + 1)} values")
+    if packed.dtype != torch.int64 or packed.numel() < 4 * (b + (b & 1)):
+        raise ValueError("packed must be pack_inputs' int64 buffer for num_seqs sequences")
     if b:
         _ngram_match_kernel[(b,)](
             history,
-            slots,
-            lengths,
-            upto,
-            starts,
-            tokens,
+            packed,
             out,
-            b,
+            b + (b & 1),
             history.stride(0),
             MIN_N=min_n,
             MAX_N=max_n,
             K=k,
-            UPDATE=new is not None,
+            UPDATE=update,
             BLOCK=BLOCK,
             num_warps=4,
         )

@@ -36,9 +36,9 @@ class DeviceNgramProposer:
 
     def __init__(self, k: int, min_n: int, max_n: int, device: torch.device) -> None:
         _check(k, min_n, max_n)
-        from kvscale.kernels.ngram_match import ngram_match  # triton: only where used
+        from kvscale.kernels.ngram_match import ngram_match, pack_inputs  # triton: here only
 
-        self._match = ngram_match
+        self._match, self._pack = ngram_match, pack_inputs
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self._k_pow2 = 1 << (k - 1).bit_length()
         self.device = device
@@ -52,6 +52,7 @@ class DeviceNgramProposer:
         # and writes directly: a call is one launch and one wait, no copies to enqueue.
         self._in = self._staging(64, torch.int64)
         self._out = self._staging(16 * (self._k_pow2 + 1), torch.int32)
+        self._in_np, self._out_np = self._in.numpy(), self._out.numpy()
 
     def _staging(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, pin_memory=self.device.type == "cuda")
@@ -80,36 +81,19 @@ class DeviceNgramProposer:
             count=int(new.sum()),
         )
         self._upto[slots] = length
-        # The kernel's input: slots, lengths, what each row holds, where each one's new
-        # tokens start (each column at a 16-byte aligned offset: the kernel is compiled
-        # once, not again for another alignment), then the new tokens.
-        b2 = b + (b & 1)
-        size = 4 * b2 + len(flat)
+        # the kernel's input in pinned memory (its layout: pack_inputs)
+        size = 4 * (b + (b & 1)) + len(flat)
         if self._in.numel() < size:
             self._in = self._staging(2 * size, torch.int64)
+            self._in_np = self._in.numpy()
         if self._out.numel() < b * (self._k_pow2 + 1):
             self._out = self._staging(2 * b * (self._k_pow2 + 1), torch.int32)
-        buf = self._in.numpy()
-        head = buf[: 4 * b2].reshape(4, b2)
-        head[0, :b], head[1, :b], head[2, :b] = slots, length, upto
-        np.cumsum(new, out=head[3, :b])
-        head[3, :b] -= new
-        buf[4 * b2 : size] = flat
-        meta = self._in[: 4 * b2].view(4, b2)[:, :b]
-        out = self._out[: b * (self._k_pow2 + 1)].view(b, self._k_pow2 + 1)
-        self._match(
-            self._hist,
-            meta[0],
-            meta[1],
-            self._k_pow2,
-            self.min_n,
-            self.max_n,
-            new=(meta[2], meta[3], self._in[4 * b2 : size]),
-            out=out,
-        )
-        if self.device.type == "cuda":
+            self._out_np = self._out.numpy()
+        self._pack(slots, length, upto, flat, out=self._in_np)
+        self._match(self._hist, self._in, b, self._k_pow2, self.min_n, self.max_n, True, self._out)
+        if self.device.type == "cuda":  # the stream the kernel was launched on
             torch.cuda.current_stream(self.device).synchronize()
-        both = out.numpy()  # drafts, then their number
+        both = self._out_np[: b * (self._k_pow2 + 1)].reshape(b, -1)  # drafts, their number
         nums = np.where(both[:, -1] > 0, np.minimum(ks, self.k), 0)
         width = min(res.tokens.shape[1], self._k_pow2)
         keep = np.arange(width)[None, :] < nums[:, None]

@@ -89,7 +89,7 @@ def test_device_ngram_proposals_for_256_sequences() -> None:
 
     import numpy as np
 
-    from kvscale.kernels.ngram_match import ngram_match
+    from kvscale.kernels.ngram_match import ngram_match, pack_inputs
     from kvscale.server.spec_decode.ngram_device import DeviceNgramProposer
     from kvscale.server.spec_decode.ngram_proposer import NgramProposer
     from kvscale.server.spec_decode.proposer import DraftRequest
@@ -113,13 +113,13 @@ def test_device_ngram_proposals_for_256_sequences() -> None:
     med = {n: statistics.median(v) * 1e3 for n, v in spent.items()}
     worst = {n: max(v) * 1e3 for n, v in spent.items()}
     hist = dev._hist
-    slots = torch.arange(256, device="cuda")
-    lengths = torch.tensor([len(s) for s in seqs], device="cuda")
+    lengths = np.array([len(s) for s in seqs])
+    packed = torch.from_numpy(pack_inputs(np.arange(256), lengths)).cuda()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ngram_match(hist, slots, lengths, 4, 2, 4)
+    ngram_match(hist, packed, 256, 4, 2, 4)
     start.record()
     for _ in range(100):
-        ngram_match(hist, slots, lengths, 4, 2, 4)
+        ngram_match(hist, packed, 256, 4, 2, 4)
     end.record()
     end.synchronize()
     kernel_us = start.elapsed_time(end) * 10

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvscale.kernels.ngram_match import BLOCK, ngram_match
+from kvscale.kernels.ngram_match import BLOCK, ngram_match, pack_inputs
 from kvscale.server.spec_decode.ngram_device import DeviceNgramProposer
 from kvscale.server.spec_decode.ngram_proposer import NgramProposer, ngram_lookup
 from kvscale.server.spec_decode.proposer import DraftRequest
@@ -29,9 +29,9 @@ def test_kernel_matches_the_reference(device: torch.device, min_n: int, max_n: i
     hist = torch.randint(0, 3, (len(seqs) + 5, width), dtype=torch.int32)
     for row, s in zip(rows, seqs, strict=True):
         hist[row, : len(s)] = torch.tensor(s, dtype=torch.int32)
-    slots = torch.tensor(rows, dtype=torch.int32)
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    out = ngram_match(hist.to(device), slots.to(device), lengths.to(device), k, min_n, max_n)
+    lengths = np.array([len(s) for s in seqs])
+    packed = torch.from_numpy(pack_inputs(np.array(rows), lengths)).to(device)
+    out = ngram_match(hist.to(device), packed, len(seqs), k, min_n, max_n)
     want, want_num = ngram_lookup(seqs, k, min_n, max_n)
     assert out[:, k].cpu().tolist() == want_num.tolist()
     assert out[:, :k].cpu().tolist() == want.tolist()
