@@ -228,16 +228,22 @@ def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str
         "ngram": dict(speculative_method="ngram"),
     }
 
-    def run(name: str, prepare: Any, repeat: bool, **kw: Any) -> None:
-        """One configuration; a failure is recorded and the others still run."""
+    def run(
+        name: str, prepare: Any, repeat: bool, batches: tuple[int, ...] = BATCHES, **kw: Any
+    ) -> None:
+        """One configuration at ``batches`` (``kw`` over the engine's defaults); a failure
+        is recorded and the others still run. The engine is freed on return."""
+        got = res.setdefault(name, {})
         try:
-            llm = make_llm(num_speculative_tokens=K, **mem, **kw)
+            llm = make_llm(num_speculative_tokens=K, **{**mem, **kw})
             prepare(llm)
-            res[name] = {f"b{b}": measure(llm, b, repeat=repeat) for b in BATCHES}
+            for b in batches:
+                got[f"b{b}"] = measure(llm, b, repeat=repeat)
             close(llm)
         except Exception as e:
-            res[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"[spec] {name}: {res[name]}", flush=True)
+            for b in batches:
+                got.setdefault(f"b{b}", {"error": f"{type(e).__name__}: {e}"})
+        print(f"[spec] {name} {batches}: {got}", flush=True)
 
     for name, kw in configs.items():
         run(name, damp_deep_layers, name == "ngram", **kw)
@@ -257,17 +263,9 @@ def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str
     run("echo-ngram", make_echo, True, speculative_method="ngram")
     # n-gram proposals for 256 sequences at once (speculation forced on past its default
     # pause at 16): their share of a step, the verify step they precede included
-    for name, kw in (("echo-none", {}), ("echo-ngram", dict(speculative_method="ngram"))):
-        try:
-            # no draft beside it; the verify step's 256 x 5 rows of sampling need room
-            llm = make_llm(num_speculative_tokens=K, speculative_disable_by_batch_size=512,
-                           gpu_memory_utilization=0.92, **kw)  # fmt: skip
-            make_echo(llm)
-            res[name]["b256"] = measure(llm, 256, repeat=True)
-            close(llm)
-        except Exception as e:
-            res[name]["b256"] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"[spec] {name} b256: {res[name]['b256']}", flush=True)
+    b256 = dict(batches=(256,), speculative_disable_by_batch_size=512, gpu_memory_utilization=0.92)
+    run("echo-none", make_echo, True, **b256)
+    run("echo-ngram", make_echo, True, speculative_method="ngram", **b256)
     return res
 
 
