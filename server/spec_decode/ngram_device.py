@@ -21,7 +21,7 @@ from operator import attrgetter, getitem
 import numpy as np
 import torch
 
-from kvscale.server.spec_decode.ngram_proposer import _check
+from kvscale.server.spec_decode.ngram_proposer import check_ngram_settings
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 
 MIN_WIDTH = 1024  # tokens a row holds at first
@@ -35,7 +35,7 @@ class DeviceNgramProposer:
     name = "ngram"
 
     def __init__(self, k: int, min_n: int, max_n: int, device: torch.device) -> None:
-        _check(k, min_n, max_n)
+        check_ngram_settings(k, min_n, max_n)
         from kvscale.kernels.ngram_match import ngram_match, pack_inputs  # triton: here only
 
         self._match, self._pack = ngram_match, pack_inputs

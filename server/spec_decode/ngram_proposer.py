@@ -33,7 +33,8 @@ import numpy as np
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 
 
-def _check(k: int, min_n: int, max_n: int) -> None:
+def check_ngram_settings(k: int, min_n: int, max_n: int) -> None:
+    """ValueError unless ``k >= 1`` and ``1 <= min_n <= max_n`` (both n-gram proposers)."""
     if k < 1:
         raise ValueError(f"num_speculative_tokens={k}: must be >= 1")
     if not 1 <= min_n <= max_n:
@@ -44,7 +45,7 @@ def ngram_lookup(
     sequences: Sequence[Sequence[int] | np.ndarray], k: int, min_n: int = 1, max_n: int = 4
 ) -> tuple[np.ndarray, np.ndarray]:
     """Returns ``(drafts [B, k] int64, padded with -1; num_drafts [B] int64)``."""
-    _check(k, min_n, max_n)
+    check_ngram_settings(k, min_n, max_n)
     b = len(sequences)
     lens = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=b)
     drafts = np.full((b, k), -1, dtype=np.int64)
@@ -127,7 +128,7 @@ class NgramProposer:
     name = "ngram"
 
     def __init__(self, k: int, min_n: int = 2, max_n: int = 4) -> None:
-        _check(k, min_n, max_n)
+        check_ngram_settings(k, min_n, max_n)
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self._sizes = range(min_n, max_n + 1)
         # [S, 1]: tokens an n-gram of each size needs before its end (n - 1)
