@@ -125,7 +125,12 @@ def test_back_to_zero_after_the_idle_window(cold: dict[str, Any]) -> None:
     wait_until(lambda: _replicas(emu) == 0, IDLE_S + 30, "the scale-down to 0")
     assert time.monotonic() - t0 <= IDLE_S + 15  # the window, evaluations every second
     wait_until(lambda: kubelet.server is None, 10, "the server process stopped")
-    rescale = [e["message"] for e in _events(emu) if e["reason"] == "SuccessfulRescale"]
+
+    def rescales() -> list[str]:  # the event is posted after the scale is written
+        found = [e["message"] for e in _events(emu) if e["reason"] == "SuccessfulRescale"]
+        return found if len(found) >= 2 else []
+
+    rescale = wait_until(rescales, 10, "the scale-down's SuccessfulRescale event")
     assert len(rescale) == 2 and rescale[1].startswith("New size: 0; no request at the router for ")
     assert rescale[1].endswith(f"(scaleToZeroAfterSeconds {IDLE_S}), 1 replica -> 0")
 
