@@ -8,7 +8,10 @@ that followed it, continued periodically past the end (token ``e + 1 + j % (L - 
 the rule of ``server.spec_decode.ngram_proposer`` (whose ``ngram_lookup`` is the
 reference). Output: int32 ``[B, k + 1]``, each row the drafts (-1 where nothing matched)
 and then their number (``k`` or 0), so one copy brings a step's proposals back. The same
-launch can first write each sequence's new tokens into its row.
+launch can first write each sequence's new tokens into its row: from the host
+(``pack_inputs``), or straight from a verify step's output on the device
+(``ngram_after_verify``: the accepted drafts and the target's token of each row, so the
+next step's drafts are ready when the host reads the step).
 
 Each program scans its sequence's ends in blocks, comparing the ``max_n`` tokens that end
 at each against the suffix, and keeps the best (length, end) as one int64 score: a
@@ -25,27 +28,47 @@ import triton.language as tl
 BLOCK = 256  # ends compared per loop iteration
 
 
-@triton.jit(do_not_specialize=["b2", "stride_h"])
+FROM_HOST, FROM_VERIFY = 1, 2  # where the new tokens come from (the kernel's UPDATE)
+
+
+@triton.jit(do_not_specialize=["b2", "stride_h", "stride_t"])
 def _ngram_match_kernel(
     hist_ptr,
     in_ptr,
     out_ptr,
+    tok_ptr,
+    acc_ptr,
     b2,
     stride_h,
+    stride_t,
     MIN_N: tl.constexpr,
     MAX_N: tl.constexpr,
     K: tl.constexpr,
+    OUT_W: tl.constexpr,
     UPDATE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     slot = tl.load(in_ptr + b)
-    length = tl.load(in_ptr + b2 + b)
     row = hist_ptr + slot * stride_h
     offs = tl.arange(0, BLOCK)
-    if UPDATE:
-        # this sequence's new tokens into its row first (positions upto .. length - 1);
-        # the barrier makes them visible to the program's other threads
+    if UPDATE == 2:
+        # a verify row's emitted tokens (accepted drafts, then the target's) after the
+        # row's ``upto`` tokens; the barrier makes them visible to the program's threads
+        upto = tl.load(in_ptr + b2 + b)
+        count = tl.load(acc_ptr + b).to(tl.int64) + 1
+        for i in range(0, count, BLOCK):
+            o = i + offs
+            m = o < count
+            tok = tl.load(tok_ptr + b * stride_t + o, mask=m, other=0)
+            tl.store(row + upto + o, tok.to(tl.int32), mask=m)
+        tl.debug_barrier()
+        length = upto + count
+        tl.store(out_ptr + b * OUT_W + K + 1, length.to(tl.int32))
+    else:
+        length = tl.load(in_ptr + b2 + b)
+    if UPDATE == 1:
+        # this sequence's new tokens into its row first (positions upto .. length - 1)
         upto = tl.load(in_ptr + 2 * b2 + b)
         new_ptr = in_ptr + 4 * b2 + tl.load(in_ptr + 3 * b2 + b)
         for i in range(0, length - upto, BLOCK):
@@ -76,8 +99,8 @@ def _ngram_match_kernel(
     cols = tl.arange(0, K)
     idx = end + 1 + cols % period
     toks = tl.load(row + idx, mask=found & (idx < length), other=-1)
-    tl.store(out_ptr + b * (K + 1) + cols, tl.where(found, toks, -1))
-    tl.store(out_ptr + b * (K + 1) + K, tl.where(found, K, 0))
+    tl.store(out_ptr + b * OUT_W + cols, tl.where(found, toks, -1))
+    tl.store(out_ptr + b * OUT_W + K, tl.where(found, K, 0))
 
 
 def pack_inputs(
@@ -139,17 +162,74 @@ def ngram_match(
     if packed.dtype != torch.int64 or packed.numel() < 4 * (b + (b & 1)):
         raise ValueError("packed must be pack_inputs' int64 buffer for num_seqs sequences")
     if b:
-        _ngram_match_kernel[(b,)](
-            history,
-            packed,
-            out,
-            b + (b & 1),
-            history.stride(0),
-            MIN_N=min_n,
-            MAX_N=max_n,
-            K=k,
-            UPDATE=update,
-            BLOCK=BLOCK,
-            num_warps=4,
-        )
+        _launch(history, packed, out, packed, packed, b, 0, k, k + 1, min_n, max_n, update)
     return out
+
+
+def ngram_after_verify(
+    history: torch.Tensor,
+    staged: torch.Tensor,
+    tokens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    k: int,
+    min_n: int,
+    max_n: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Appends each verify row's emitted tokens to its sequence's row and drafts from
+    there, in one launch queued right after the rejection sampler: ``staged`` int64
+    ``[slots | upto]`` (``B2`` each, ``B2 = N`` rounded up to even; ``upto``: the tokens
+    the row holds), ``tokens [N, T]`` int64 and ``num_accepted [N]`` (the rejection
+    sampler's output: row ``i`` emits ``tokens[i, :num_accepted[i] + 1]``, ``T >= that``).
+    Writes int32 ``[N, k + 2]`` into ``out``: the drafts, their number (``k`` or 0), and
+    the row's new length. ``k`` a power of two; the rows must be wide enough."""
+    n = tokens.shape[0]
+    if history.dtype != torch.int32 or history.dim() != 2 or history.stride(1) != 1:
+        raise ValueError(f"history must be a row-major [S, C] int32 tensor, got {history.dtype}")
+    if k < 1 or k & (k - 1):
+        raise ValueError(f"k={k}: must be a power of two")
+    if tokens.dim() != 2 or tokens.stride(1) != 1 or num_accepted.shape != (n,):
+        raise ValueError(f"tokens [N, T] row-major and num_accepted [N]: {tokens.shape}")
+    if staged.dtype != torch.int64 or staged.numel() < 2 * (n + (n & 1)):
+        raise ValueError("staged must hold int64 [slots | upto] for the N verify rows")
+    if out.dtype != torch.int32 or out.numel() < n * (k + 2) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 buffer of >= {n * (k + 2)} values")
+    if n:
+        _launch(
+            history, staged, out, tokens, num_accepted, n, tokens.stride(0), k, k + 2,
+            min_n, max_n, FROM_VERIFY,
+        )  # fmt: skip
+    return out
+
+
+def _launch(
+    history: torch.Tensor,
+    packed: torch.Tensor,
+    out: torch.Tensor,
+    tokens: torch.Tensor,
+    accepted: torch.Tensor,
+    b: int,
+    stride_t: int,
+    k: int,
+    out_w: int,
+    min_n: int,
+    max_n: int,
+    update: int,
+) -> None:
+    _ngram_match_kernel[(b,)](
+        history,
+        packed,
+        out,
+        tokens,
+        accepted,
+        b + (b & 1),
+        history.stride(0),
+        stride_t,
+        MIN_N=min_n,
+        MAX_N=max_n,
+        K=k,
+        OUT_W=out_w,
+        UPDATE=int(update),
+        BLOCK=BLOCK,
+        num_warps=4,
+    )

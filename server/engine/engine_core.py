@@ -115,6 +115,8 @@ class EngineCore:
             self.speculator = Speculator(
                 proposer, eng.num_speculative_tokens, eng.speculative_disable_by_batch_size
             )
+            if self.speculator.follows_verify:  # the next step's drafts, queued on the device
+                self.worker.set_verify_hook(self.speculator.after_verify)
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarManager(
             eng.tokenizer or eng.model, self.vocab_size, sorted(self.eos_token_ids)
@@ -308,6 +310,8 @@ class EngineCore:
             self.vocab_size,
             decode_rows=bool(graph) and tokens > len(batch),
         )
+        if step.sampling.spec_k and self.speculator is not None:
+            self.speculator.stage([seqs[r] for r in step.sampling.spec_rows])
         prompt_lp = prompt_logprob_inputs(batch, step)
         if prompt_lp and step.graph_size:  # never for decode-shaped steps; kept safe
             step.graph_size = 0

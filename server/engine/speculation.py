@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvscale.server.engine.sequence import Sequence, SequenceStatus
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposer
@@ -106,7 +107,7 @@ class Speculator:
         self.k = k
         self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats(accepted_per_pos=[0] * k)
-        self.propose_s = 0.0  # wall time in the proposer (seconds, cumulative)
+        self.propose_s = 0.0  # wall time in the proposer's host calls (seconds, cumulative)
 
     def active(self, num_running: int) -> bool:
         """Whether this step speculates (the batch is small enough)."""
@@ -160,6 +161,27 @@ class Speculator:
             seq.draft_tokens = out.tokens[i, :d].tolist()
             if out.q_ids is not None and out.q_probs is not None:
                 seq.draft_q = (out.q_ids[i, :d], out.q_probs[i, :d])
+
+    def stage(self, verifying: list[Sequence]) -> None:
+        """Before a verify step is launched: its verify rows' sequences, in row order, for a
+        proposer that drafts the next step right after the rejection sampler, on the
+        device (``after_verify``, the worker's verify hook)."""
+        stage = getattr(self.proposer, "stage_verify", None)
+        if stage is not None:
+            t0 = time.perf_counter()
+            stage([seq.seq_id for seq in verifying])
+            self.propose_s += time.perf_counter() - t0
+
+    @property
+    def follows_verify(self) -> bool:
+        """Whether the proposer drafts right after a verify step, on the device."""
+        return hasattr(self.proposer, "after_verify")
+
+    def after_verify(self, tokens: Any, num_accepted: Any) -> None:
+        """The worker's verify hook (device tensors: the rejection sampler's output)."""
+        t0 = time.perf_counter()
+        self.proposer.after_verify(tokens, num_accepted)  # type: ignore[attr-defined]
+        self.propose_s += time.perf_counter() - t0
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Counts one verify row and adapts the sequence's ``k``."""

@@ -8,6 +8,14 @@ every sequence's whole history (tens of microseconds for 256 sequences of 2,048 
 and writes the drafts back into pinned memory: no copy to enqueue, one wait. Same rule
 and the same drafts as ``NgramProposer`` (the host proposer, used on CPU).
 
+After a verify step the host's part can go too (``stage_verify`` + ``after_verify``, the
+worker's verify hook): the same kernel is queued right after the rejection sampler, takes
+each verify row's emitted tokens from the sampler's output on the device, appends them to
+the row and drafts from there; the drafts come back with the step. The next ``propose``
+then only looks them up (no launch, no wait) for the sequences whose tokens are exactly
+what the device appended; the others (new, resumed, or grown by a normal step) take the
+path above.
+
 Memory: one int32 row per running sequence, ``max_model_len`` wide at most (grown by
 doubling to the longest sequence seen): 256 sequences of 8,192 tokens take 8 MiB.
 """
@@ -15,6 +23,7 @@ doubling to the longest sequence seen): 256 sequences of 8,192 tokens take 8 MiB
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, getitem
 
@@ -28,6 +37,16 @@ MIN_WIDTH = 1024  # tokens a row holds at first
 _K, _SEQ_ID, _TOKENS = attrgetter("k"), attrgetter("seq_id"), attrgetter("token_ids")
 
 
+@dataclass
+class _Staged:
+    """A verify step's rows (``stage_verify``), and whether their lookup was queued."""
+
+    ids: np.ndarray  # [N] seq ids, in verify-row order
+    slots: np.ndarray  # [N] their rows of the history
+    event: torch.cuda.Event | None = None
+    launched: bool = False
+
+
 class DeviceNgramProposer:
     """``Proposer`` (name "ngram") whose lookups run on ``device`` (CUDA; on CPU only
     under the Triton interpreter, for tests)."""
@@ -36,9 +55,14 @@ class DeviceNgramProposer:
 
     def __init__(self, k: int, min_n: int, max_n: int, device: torch.device) -> None:
         check_ngram_settings(k, min_n, max_n)
-        from kvscale.kernels.ngram_match import ngram_match, pack_inputs  # triton: here only
+        from kvscale.kernels.ngram_match import (  # triton: here only
+            ngram_after_verify,
+            ngram_match,
+            pack_inputs,
+        )
 
         self._match, self._pack = ngram_match, pack_inputs
+        self._after_verify = ngram_after_verify
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self._k_pow2 = 1 << (k - 1).bit_length()
         self.device = device
@@ -53,6 +77,14 @@ class DeviceNgramProposer:
         self._in = self._staging(64, torch.int64)
         self._out = self._staging(16 * (self._k_pow2 + 1), torch.int32)
         self._in_np, self._out_np = self._in.numpy(), self._out.numpy()
+        # after a verify step: its rows, the kernel's input and output (pinned)
+        self._staged: _Staged | None = None
+        self._vin = self._staging(64, torch.int64)
+        self._vout = self._staging(16 * (self._k_pow2 + 2), torch.int32)
+        # drafts made on the device after the last verify: seq id -> (row of _ready, length)
+        self._ready: dict[int, tuple[int, int]] = {}
+        self._ready_drafts = np.zeros((0, self._k_pow2), np.int32)
+        self.ready_hits = 0  # proposals served from the verify step's follow-up
 
     def _staging(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, pin_memory=self.device.type == "cuda")
@@ -62,11 +94,42 @@ class DeviceNgramProposer:
         b = len(requests)
         if b == 0:
             return Proposal.empty(0, 1)
+        self._absorb()
         ks = np.fromiter(map(_K, requests), np.int64, count=b)
         res = Proposal.empty(b, int(ks.max()))
         ids = list(map(_SEQ_ID, requests))
         toks = list(map(_TOKENS, requests))
         length = np.fromiter(map(len, toks), np.int64, count=b)
+        width = min(res.tokens.shape[1], self._k_pow2)
+        drafts = np.empty((b, self._k_pow2), np.int32)
+        ready = self._ready
+        if ready:
+            got = np.array([ready.get(i, (-1, -1)) for i in ids], np.int64).reshape(b, 2)
+            hit = got[:, 1] == length  # the device appended exactly these tokens
+            self._ready = {}
+            drafts[hit] = self._ready_drafts[got[hit, 0]]
+            self.ready_hits += int(hit.sum())
+            miss = np.flatnonzero(~hit)
+            if len(miss) < b:
+                if len(miss):
+                    drafts[miss] = self._lookup([ids[i] for i in miss], [toks[i] for i in miss],
+                                                length[miss])  # fmt: skip
+                return self._result(res, drafts, ks, width)
+        drafts[:] = self._lookup(ids, toks, length)
+        return self._result(res, drafts, ks, width)
+
+    def _result(self, res: Proposal, drafts: np.ndarray, ks: np.ndarray, width: int) -> Proposal:
+        """``res`` filled from ``drafts [B, k_pow2]`` (-1: nothing matched), cut to each k."""
+        nums = np.where(drafts[:, 0] >= 0, np.minimum(ks, self.k), 0)
+        keep = np.arange(width)[None, :] < nums[:, None]
+        res.tokens[:, :width] = np.where(keep, drafts[:, :width], -1)
+        res.num_tokens[:] = nums
+        return res
+
+    def _lookup(self, ids: list[int], toks: list, length: np.ndarray) -> np.ndarray:
+        """One launch: the new tokens of each sequence into its row, then the drafts
+        ``[B, k_pow2]`` int32 (-1 where nothing matched)."""
+        b = len(ids)
         if ids != self._ids:  # another batch than the last: look its rows up
             self._slots = np.fromiter(map(self._slot_of, ids), np.int64, count=b)
             self._ids = ids
@@ -93,13 +156,64 @@ class DeviceNgramProposer:
         self._match(self._hist, self._in, b, self._k_pow2, self.min_n, self.max_n, True, self._out)
         if self.device.type == "cuda":  # the stream the kernel was launched on
             torch.cuda.current_stream(self.device).synchronize()
-        both = self._out_np[: b * (self._k_pow2 + 1)].reshape(b, -1)  # drafts, their number
-        nums = np.where(both[:, -1] > 0, np.minimum(ks, self.k), 0)
-        width = min(res.tokens.shape[1], self._k_pow2)
-        keep = np.arange(width)[None, :] < nums[:, None]
-        res.tokens[:, :width] = np.where(keep, both[:, :width], -1)
-        res.num_tokens[:] = nums
-        return res
+        return self._out_np[: b * (self._k_pow2 + 1)].reshape(b, -1)[:, :-1]
+
+    # ---- the verify step's follow-up (the worker's verify hook) -------------------------
+    def stage_verify(self, seq_ids: list[int]) -> None:
+        """Called before a verify step is launched, with its verify rows' sequences in row
+        order (each proposed for in this step: its row holds its tokens up to the drafts)."""
+        self._staged = None
+        n = len(seq_ids)
+        slots = np.fromiter((self._slot.get(i, -1) for i in seq_ids), np.int64, count=n)
+        if n == 0 or slots.min() < 0:
+            return  # a row this proposer did not draft for: no follow-up this step
+        upto = self._upto[slots]
+        self._grow(int(upto.max()) + self.k + 1)
+        n2 = n + (n & 1)
+        if self._vin.numel() < 2 * n2:
+            self._vin = self._staging(4 * n2, torch.int64)
+        if self._vout.numel() < n * (self._k_pow2 + 2):
+            self._vout = self._staging(2 * n * (self._k_pow2 + 2), torch.int32)
+        vin = self._vin.numpy()
+        vin[:n], vin[n2 : n2 + n] = slots, upto
+        self._staged = _Staged(np.asarray(seq_ids, np.int64), slots)
+
+    def after_verify(self, tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """The worker's verify hook: queued after the rejection sampler, on its stream.
+        ``tokens [N, T]`` int64 and ``num_accepted [N]``: its output for the staged rows."""
+        st = self._staged
+        if st is None or st.launched or tokens.shape[0] != len(st.ids):
+            self._staged = None
+            return
+        self._after_verify(
+            self._hist, self._vin, tokens, num_accepted, self._k_pow2, self.min_n,
+            self.max_n, self._vout,
+        )  # fmt: skip
+        st.launched = True
+        if self.device.type == "cuda":
+            st.event = torch.cuda.Event()
+            st.event.record()
+
+    def _absorb(self) -> None:
+        """Takes in the last verify follow-up's drafts and the rows' new lengths."""
+        st, self._staged = self._staged, None
+        if st is None or not st.launched:
+            return
+        if st.event is not None:
+            st.event.synchronize()  # done when the engine read the step; cheap then
+        n, w = len(st.ids), self._k_pow2 + 2
+        out = self._vout.numpy()[: n * w].reshape(n, w)
+        # a sequence released since (finished) may have lost its row to another
+        ids, slots = st.ids.tolist(), st.slots.tolist()
+        kept = np.fromiter(map(self._holds, ids, slots), bool, count=n)
+        lengths = out[:, -1].astype(np.int64)
+        self._upto[st.slots[kept]] = lengths[kept]
+        rows = np.flatnonzero(kept).tolist()
+        self._ready_drafts = out[:, : self._k_pow2].copy()
+        self._ready = {ids[r]: (r, int(lengths[r])) for r in rows}
+
+    def _holds(self, seq_id: int, slot: int) -> bool:
+        return self._slot.get(seq_id) == slot
 
     def _slot_of(self, seq_id: int) -> int:
         slot = self._slot.get(seq_id)
@@ -133,6 +247,7 @@ class DeviceNgramProposer:
 
     def release(self, seq_ids: Iterable[int]) -> None:
         self._ids = None  # a released id may come back in another row
+        self._absorb()  # before a released row can be given to another sequence
         for sid in seq_ids:
             slot = self._slot.pop(sid, None)
             if slot is not None:
@@ -141,6 +256,8 @@ class DeviceNgramProposer:
 
     def close(self) -> None:
         self._ids = None
+        self._staged = None
+        self._ready = {}
         self._slot.clear()
         self._free.clear()
         self._hist = torch.zeros((0, MIN_WIDTH), dtype=torch.int32, device=self.device)

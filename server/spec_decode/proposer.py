@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -63,3 +63,17 @@ class Proposer(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class VerifyFollower(Protocol):
+    """What a proposer adds to draft the next step on the device, right after a verify
+    step's rejection sampler (the device n-gram proposer): the engine stages the verify
+    rows' sequences before the launch, the worker calls ``after_verify`` with the sampler's
+    output, and the next ``propose`` finds the drafts ready."""
+
+    def stage_verify(self, seq_ids: list[int]) -> None: ...
+
+    def after_verify(self, tokens: Any, num_accepted: Any) -> None:
+        """``tokens [N, K + 1]`` int64, ``num_accepted [N]``: device tensors, in the
+        staged order; queue work on the current stream, never wait."""
+        ...

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,6 +208,8 @@ class Worker:
             device,
         )
         self.generator = torch.Generator(device=device)
+        # called after a verify step's rejection sampler (set_verify_hook)
+        self.verify_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self.generator.manual_seed(eng.seed)
         self._neg_inf = torch.full((), float("-inf"), device=device)
         # The tokens sampled by the latest step that sampled (row r at index r).
@@ -366,6 +369,12 @@ class Worker:
             self.backend = inner
         layers = self.kv_pool.layers
         return [float(kv.k_scale) for kv in layers], [float(kv.v_scale) for kv in layers]
+
+    def set_verify_hook(self, hook: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
+        """``hook(tokens [N, K + 1] int64, num_accepted [N])``: called with each verify
+        step's rejection-sampler output on the device, before the copies to the host are
+        queued (work it queues on the stream comes back with the step)."""
+        self.verify_hook = hook
 
     # ---- one step ------------------------------------------------------------------
     def decode_graph_size(self, num_seqs: int) -> int:
@@ -555,6 +564,8 @@ class Worker:
             draft_probs,
             greedy_tokens.view(n, k + 1),
         )
+        if self.verify_hook is not None:  # e.g. the next step's n-gram drafts
+            self.verify_hook(out.tokens, out.num_accepted)
         return host_rows, _to_host(out.tokens), _to_host(out.num_accepted)
 
     def _penalty_inputs(
