@@ -217,6 +217,40 @@ def test_requests_that_cannot_draft_run_pipelined_steps(echo_ckpt: Path) -> None
     assert pipelined >= 15 and llm.engine.stats().spec_num_drafts == 0
 
 
+def test_proposals_without_drafts_leave_the_step_in_flight(llama_ckpt: Path) -> None:
+    """n-gram probes that find nothing (trigrams over tokens that do not repeat) do not
+    cost the pipeline: the step they launch stays in flight behind the next one, as in a
+    run without speculation; same tokens."""
+    prompts = [list(range(5, 45))]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = LLM(str(llama_ckpt), device="cpu").generate(prompts, sp)
+    llm = LLM(
+        str(llama_ckpt), device="cpu", speculative_method="ngram", num_speculative_tokens=3,
+        ngram_min=3, ngram_max=3,
+    )  # fmt: skip
+    core = llm.engine.core
+    drained, probes = 0, 0
+    real_step, real_draft = core.step, core.speculator.draft
+
+    def step():  # counts the steps that returned with nothing in flight
+        nonlocal drained
+        out = real_step()
+        drained += core._inflight is None
+        return out
+
+    def draft(*a):
+        nonlocal probes
+        probes += 1
+        return real_draft(*a)
+
+    core.step = step  # type: ignore[method-assign]
+    core.speculator.draft = draft  # type: ignore[method-assign]
+    got = llm.generate(prompts, sp)
+    assert got[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+    assert llm.engine.stats().spec_num_drafts == 0 and probes >= 4
+    assert drained == 1  # the last step only: it reads the final token
+
+
 def test_speculative_config_takes_vllm_keys(echo_ckpt: Path) -> None:
     llm = LLM(
         str(echo_ckpt),

@@ -262,7 +262,8 @@ class EngineCore:
 
     def _spec_step(self, spec: Speculator) -> list[SeqUpdate]:
         """One unpipelined step with drafts: reads the step in flight, drafts from the
-        known tokens, then launches and reads this one."""
+        known tokens, then launches and reads this one (when no proposal had a draft, it
+        is left in flight: the next step is pipelined behind it)."""
         updates = self._collect(self._inflight) if self._inflight is not None else []
         self._inflight = None
         if self._awaiting_grammar:
@@ -276,7 +277,10 @@ class EngineCore:
         if batch.seqs:
             launched, early = self._launch(batch, None)
             updates += early or []
-            updates += self._collect(launched)
+            if any(seq.draft_tokens for seq in batch.seqs):
+                updates += self._collect(launched)
+            else:  # nothing was drafted: the step stays in flight, as a pipelined one
+                self._inflight = launched
         elif self._awaiting_grammar:
             wait([f for _, f in self._awaiting_grammar.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         return updates
