@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvscale.server.layers.sampler import apply_top_k_top_p_min_p, row_seed, seeded_generators
-from kvscale.server.spec_decode.rejection_sampler import PAD, rejection_sample
+from kvscale.server.spec_decode.rejection_sampler import PAD, greedy_verify, rejection_sample
 
 V = 8
 K = 3
@@ -112,6 +112,27 @@ def test_greedy_accepts_only_argmax_and_emits_argmax():
     res = rejection_sample(tp, drafts, torch.tensor([3, 3, 3]), torch.ones(3, dtype=torch.bool))
     assert res.num_accepted.tolist() == [3, 1, 0]
     assert res.tokens.tolist() == [[1, 0, 2, 2], [1, 0, PAD, PAD], [1, PAD, PAD, PAD]]
+
+
+def test_greedy_verify_equals_rejection_sampling_of_greedy_rows():
+    """The all-greedy shortcut (argmax only) gives rejection sampling's output exactly:
+    tokens, accepted counts and per-position mask, for drafts of every length."""
+    g = torch.Generator().manual_seed(5)
+    n, k, vocab = 64, 4, 6  # a small vocabulary: drafts often match the argmax
+    tp = torch.rand(n, k + 1, vocab, generator=g).softmax(-1)
+    argmax = tp.argmax(-1)
+    drafts = torch.where(
+        torch.rand(n, k, generator=g) < 0.7,
+        argmax[:, :k],
+        torch.randint(0, vocab, (n, k), generator=g),
+    )
+    num_draft = torch.randint(0, k + 1, (n,), generator=g)
+    want = rejection_sample(tp, drafts, num_draft, torch.ones(n, dtype=torch.bool))
+    got = greedy_verify(drafts, num_draft, argmax)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.num_accepted.tolist() == want.num_accepted.tolist()
+    assert torch.equal(got.accepted_mask, want.accepted_mask)
+    assert set(want.num_accepted.tolist()) == set(range(k + 1))  # every length occurs
 
 
 def test_short_drafts_and_zero_drafts():

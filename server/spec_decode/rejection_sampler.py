@@ -132,3 +132,21 @@ def rejection_sample(
     tokens[:, :k] = torch.where(accepted_mask, drafts, PAD)
     tokens.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return RejectionOutput(tokens=tokens, num_accepted=num_accepted, accepted_mask=accepted_mask)
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_argmax: torch.Tensor
+) -> RejectionOutput:
+    """``rejection_sample`` when every row is greedy, without probabilities or noise: the
+    drafts accepted are the leading ones equal to the target's argmax, and the token after
+    them is the argmax at that position, so the emitted tokens are ``target_argmax``'s
+    first ``num_accepted + 1`` (PAD after). Shapes as ``rejection_sample``'s."""
+    k1 = target_argmax.shape[1]
+    k = k1 - 1
+    valid = torch.arange(k, device=draft_tokens.device).unsqueeze(0) < num_draft.unsqueeze(1)
+    accept = (draft_tokens == target_argmax[:, :k]) & valid
+    accepted_mask = torch.cumprod(accept.to(torch.int64), dim=1).bool()
+    num_accepted = accepted_mask.sum(dim=1)
+    emitted = torch.arange(k1, device=draft_tokens.device).unsqueeze(0) <= num_accepted.unsqueeze(1)
+    tokens = torch.where(emitted, target_argmax, PAD)
+    return RejectionOutput(tokens=tokens, num_accepted=num_accepted, accepted_mask=accepted_mask)

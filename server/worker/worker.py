@@ -39,12 +39,17 @@ from kvscale.server.layers.sampler import (
     apply_token_bitmask,
     sample,
     seeded_generators,
+    target_distribution,
     top_logprobs,
 )
 from kvscale.server.models.loader import load_model
 from kvscale.server.parallel import SINGLE, ParallelState
 from kvscale.server.quantization import get_quantization
-from kvscale.server.spec_decode.rejection_sampler import rejection_sample
+from kvscale.server.spec_decode.rejection_sampler import (
+    RejectionOutput,
+    greedy_verify,
+    rejection_sample,
+)
 from kvscale.server.spec_decode.verify_probs import (
     expand_rows,
     verify_output_counts,
@@ -538,6 +543,9 @@ class Worker:
         k = plan.spec_k
         n = len(host_rows)
         drafts, num_draft = dev["spec_draft"], dev["spec_num_draft"]
+        if plan.all_greedy and not plan.do_penalties:  # the argmax decides: a few kernels
+            argmax = logits.argmax(dim=-1)[dev["spec_idx"]]
+            return self._verified(host_rows, greedy_verify(drafts, num_draft, argmax))
         row_t = _sampling_tensors(dev["sampling"][rows], plan)
         t = expand_rows(row_t, k + 1)
         pos_mask = pos_counts = None
@@ -546,6 +554,10 @@ class Worker:
             pos_mask = prompt_mask[rows].repeat_interleave(k + 1, dim=0)
             pos_counts = verify_output_counts(counts[rows], drafts, num_draft)
         lg = logits[dev["spec_idx"].reshape(-1)]  # a copy: verify_probs edits it in place
+        if plan.all_greedy:  # the penalised argmax decides: no probabilities, no noise
+            _, greedy_tokens = target_distribution(lg, t, pos_mask, pos_counts)
+            out = greedy_verify(drafts, num_draft, greedy_tokens.view(n, k + 1))
+            return self._verified(host_rows, out)
         probs, greedy_tokens = verify_probs(lg, t, pos_mask, pos_counts)
         vocab = probs.shape[-1]
         draft_probs = None
@@ -564,6 +576,12 @@ class Worker:
             draft_probs,
             greedy_tokens.view(n, k + 1),
         )
+        return self._verified(host_rows, out)
+
+    def _verified(
+        self, host_rows: list[int], out: RejectionOutput
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Runs the verify hook on ``out``, then starts its copies to the host."""
         if self.verify_hook is not None:  # e.g. the next step's n-gram drafts
             self.verify_hook(out.tokens, out.num_accepted)
         return host_rows, _to_host(out.tokens), _to_host(out.num_accepted)
