@@ -41,7 +41,7 @@ _K, _SEQ_ID, _TOKENS = attrgetter("k"), attrgetter("seq_id"), attrgetter("token_
 class _Staged:
     """A verify step's rows (``stage_verify``), and whether their lookup was queued."""
 
-    ids: np.ndarray  # [N] seq ids, in verify-row order
+    ids: np.ndarray  # [N] the seq ids their rows held, in verify-row order
     slots: np.ndarray  # [N] their rows of the history
     event: torch.cuda.Event | None = None
     launched: bool = False
@@ -69,7 +69,12 @@ class DeviceNgramProposer:
         self._hist = torch.zeros((0, MIN_WIDTH), dtype=torch.int32, device=device)
         self._slot: dict[int, int] = {}  # seq_id -> row of _hist
         self._free: list[int] = []
-        self._upto = np.zeros(0, np.int64)  # per row: tokens copied to the device
+        # per row: tokens on the device, the sequence it holds (-1: free), and the length
+        # at which _ready_drafts holds its drafts (made after a verify step; -1: none)
+        self._upto = np.zeros(0, np.int64)
+        self._owner = np.zeros(0, np.int64)
+        self._ready_at = np.zeros(0, np.int64)
+        self._ready_drafts = np.zeros((0, self._k_pow2), np.int32)
         self._ids: list[int] | None = None  # the last batch's seq ids and their rows
         self._slots = np.zeros(0, np.int64)
         # The kernel's inputs and outputs live in pinned host memory, which the GPU reads
@@ -81,9 +86,6 @@ class DeviceNgramProposer:
         self._staged: _Staged | None = None
         self._vin = self._staging(64, torch.int64)
         self._vout = self._staging(16 * (self._k_pow2 + 2), torch.int32)
-        # drafts made on the device after the last verify: seq id -> (row of _ready, length)
-        self._ready: dict[int, tuple[int, int]] = {}
-        self._ready_drafts = np.zeros((0, self._k_pow2), np.int32)
         self.ready_hits = 0  # proposals served from the verify step's follow-up
 
     def _staging(self, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -101,21 +103,17 @@ class DeviceNgramProposer:
         toks = list(map(_TOKENS, requests))
         length = np.fromiter(map(len, toks), np.int64, count=b)
         width = min(res.tokens.shape[1], self._k_pow2)
+        slots = self._rows_of(ids)
+        hit = self._ready_at[slots] == length  # the device appended exactly these tokens
+        self._ready_at[slots] = -1
+        if not hit.any():
+            return self._result(res, self._lookup(slots, toks, length), ks, width)
         drafts = np.empty((b, self._k_pow2), np.int32)
-        ready = self._ready
-        if ready:
-            got = np.array([ready.get(i, (-1, -1)) for i in ids], np.int64).reshape(b, 2)
-            hit = got[:, 1] == length  # the device appended exactly these tokens
-            self._ready = {}
-            drafts[hit] = self._ready_drafts[got[hit, 0]]
-            self.ready_hits += int(hit.sum())
-            miss = np.flatnonzero(~hit)
-            if len(miss) < b:
-                if len(miss):
-                    drafts[miss] = self._lookup([ids[i] for i in miss], [toks[i] for i in miss],
-                                                length[miss])  # fmt: skip
-                return self._result(res, drafts, ks, width)
-        drafts[:] = self._lookup(ids, toks, length)
+        drafts[hit] = self._ready_drafts[slots[hit]]
+        self.ready_hits += int(hit.sum())
+        miss = np.flatnonzero(~hit)
+        if len(miss):
+            drafts[miss] = self._lookup(slots[miss], [toks[i] for i in miss], length[miss])
         return self._result(res, drafts, ks, width)
 
     def _result(self, res: Proposal, drafts: np.ndarray, ks: np.ndarray, width: int) -> Proposal:
@@ -126,14 +124,17 @@ class DeviceNgramProposer:
         res.num_tokens[:] = nums
         return res
 
-    def _lookup(self, ids: list[int], toks: list, length: np.ndarray) -> np.ndarray:
+    def _rows_of(self, ids: list[int]) -> np.ndarray:
+        """The rows of ``ids`` (new ones get a row), cached for a batch like the last."""
+        if ids != self._ids:
+            self._slots = np.fromiter(map(self._slot_of, ids), np.int64, count=len(ids))
+            self._ids = ids
+        return self._slots
+
+    def _lookup(self, slots: np.ndarray, toks: list, length: np.ndarray) -> np.ndarray:
         """One launch: the new tokens of each sequence into its row, then the drafts
         ``[B, k_pow2]`` int32 (-1 where nothing matched)."""
-        b = len(ids)
-        if ids != self._ids:  # another batch than the last: look its rows up
-            self._slots = np.fromiter(map(self._slot_of, ids), np.int64, count=b)
-            self._ids = ids
-        slots = self._slots
+        b = len(slots)
         upto = self._upto[slots]
         upto[upto > length] = 0  # not a continuation of what the row holds: start over
         self._grow(int(length.max()))
@@ -164,9 +165,14 @@ class DeviceNgramProposer:
         order (each proposed for in this step: its row holds its tokens up to the drafts)."""
         self._staged = None
         n = len(seq_ids)
-        slots = np.fromiter((self._slot.get(i, -1) for i in seq_ids), np.int64, count=n)
-        if n == 0 or slots.min() < 0:
-            return  # a row this proposer did not draft for: no follow-up this step
+        if n == 0:
+            return
+        if seq_ids == self._ids:  # the batch proposed for (the usual case)
+            slots = self._slots
+        else:
+            slots = np.fromiter(map(self._slot.get, seq_ids, repeat(-1)), np.int64, count=n)
+            if slots.min() < 0:
+                return  # a row this proposer did not draft for: no follow-up this step
         upto = self._upto[slots]
         self._grow(int(upto.max()) + self.k + 1)
         n2 = n + (n & 1)
@@ -176,7 +182,7 @@ class DeviceNgramProposer:
             self._vout = self._staging(2 * n * (self._k_pow2 + 2), torch.int32)
         vin = self._vin.numpy()
         vin[:n], vin[n2 : n2 + n] = slots, upto
-        self._staged = _Staged(np.asarray(seq_ids, np.int64), slots)
+        self._staged = _Staged(self._owner[slots], slots.copy())
 
     def after_verify(self, tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """The worker's verify hook: queued after the rejection sampler, on its stream.
@@ -203,17 +209,11 @@ class DeviceNgramProposer:
             st.event.synchronize()  # done when the engine read the step; cheap then
         n, w = len(st.ids), self._k_pow2 + 2
         out = self._vout.numpy()[: n * w].reshape(n, w)
-        # a sequence released since (finished) may have lost its row to another
-        ids, slots = st.ids.tolist(), st.slots.tolist()
-        kept = np.fromiter(map(self._holds, ids, slots), bool, count=n)
-        lengths = out[:, -1].astype(np.int64)
-        self._upto[st.slots[kept]] = lengths[kept]
-        rows = np.flatnonzero(kept).tolist()
-        self._ready_drafts = out[:, : self._k_pow2].copy()
-        self._ready = {ids[r]: (r, int(lengths[r])) for r in rows}
-
-    def _holds(self, seq_id: int, slot: int) -> bool:
-        return self._slot.get(seq_id) == slot
+        kept = self._owner[st.slots] == st.ids  # a row released since may hold another
+        slots, lengths = st.slots[kept], out[kept, -1].astype(np.int64)
+        self._upto[slots] = lengths
+        self._ready_at[slots] = lengths
+        self._ready_drafts[slots] = out[kept, : self._k_pow2]
 
     def _slot_of(self, seq_id: int) -> int:
         slot = self._slot.get(seq_id)
@@ -222,6 +222,8 @@ class DeviceNgramProposer:
                 self._add_rows()
             slot = self._slot[seq_id] = self._free.pop()
             self._upto[slot] = 0
+            self._owner[slot] = seq_id
+            self._ready_at[slot] = -1
         return slot
 
     def _add_rows(self) -> None:
@@ -232,6 +234,11 @@ class DeviceNgramProposer:
         grown[:rows] = self._hist
         self._hist = grown
         self._upto = np.concatenate((self._upto, np.zeros(more, np.int64)))
+        self._owner = np.concatenate((self._owner, np.full(more, -1, np.int64)))
+        self._ready_at = np.concatenate((self._ready_at, np.full(more, -1, np.int64)))
+        self._ready_drafts = np.concatenate(
+            (self._ready_drafts, np.zeros((more, self._k_pow2), np.int32))
+        )
         self._free.extend(range(rows + more - 1, rows - 1, -1))
 
     def _grow(self, length: int) -> None:
@@ -252,13 +259,16 @@ class DeviceNgramProposer:
             slot = self._slot.pop(sid, None)
             if slot is not None:
                 self._upto[slot] = 0
+                self._owner[slot] = self._ready_at[slot] = -1
                 self._free.append(slot)
 
     def close(self) -> None:
         self._ids = None
         self._staged = None
-        self._ready = {}
         self._slot.clear()
         self._free.clear()
         self._hist = torch.zeros((0, MIN_WIDTH), dtype=torch.int32, device=self.device)
         self._upto = np.zeros(0, np.int64)
+        self._owner = np.zeros(0, np.int64)
+        self._ready_at = np.zeros(0, np.int64)
+        self._ready_drafts = np.zeros((0, self._k_pow2), np.int32)
