@@ -210,6 +210,19 @@ plan_r7() {
   bench spec 420 spec
 }
 
+# Issue 18, lease r9: the spec tests, where a speculative step's time goes at batch 1
+# (bench/profile_spec.py), then the spec bench.
+plan_r9() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  (step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_ngram_match.py
+   step tests-gpu 300 "${pt[@]}" -s tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py) &
+  wait
+  step profile-spec 240 python3 bench/profile_spec.py --ckpt "$CKPT"
+  bench spec 420 spec
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
