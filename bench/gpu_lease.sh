@@ -223,6 +223,12 @@ plan_r9() {
   bench spec 420 spec
 }
 
+# lease r9b: only the spec-step profile (r9's ran out of memory after its first engine)
+plan_r9b() {
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  step profile-spec 300 python3 bench/profile_spec.py --ckpt "$CKPT"
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -45,6 +46,7 @@ def _timers(core: Any) -> tuple[dict[str, float], Any]:
 
     def wrap(obj: Any, name: str, key: str) -> None:
         fn = getattr(obj, name)
+        own = name in vars(obj)  # else a method: restoring deletes the wrapper (no cycle)
 
         def timed(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
@@ -54,7 +56,7 @@ def _timers(core: Any) -> tuple[dict[str, float], Any]:
                 cur[key] = cur.get(key, 0.0) + 1e3 * (time.perf_counter() - t0)
 
         setattr(obj, name, timed)
-        undo.append(lambda: setattr(obj, name, fn))
+        undo.append(lambda: setattr(obj, name, fn) if own else delattr(obj, name))
 
     if core.speculator is not None:
         wrap(core.speculator, "draft", "propose")
@@ -151,6 +153,7 @@ def main() -> None:
         print(res["cprofile"], flush=True)
         _close(llm)
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
 
 
