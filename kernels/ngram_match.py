@@ -148,21 +148,15 @@ def ngram_match(
     the next one and cut). ``out``: a contiguous int32 buffer of at least
     ``num_seqs * (k + 1)`` values to write those rows into, returned as given. ``packed``
     and ``out`` may be pinned host memory, which the GPU reads and writes directly."""
-    if history.dtype != torch.int32 or history.dim() != 2 or history.stride(1) != 1:
-        raise ValueError(f"history must be a row-major [S, C] int32 tensor, got {history.dtype}")
-    if k < 1 or k & (k - 1):
-        raise ValueError(f"k={k}: must be a power of two")
-    if not 1 <= min_n <= max_n:
-        raise ValueError(f"min_n={min_n}, max_n={max_n}: need 1 <= min_n <= max_n")
     b = num_seqs
     if out is None:
         out = torch.empty((b, k + 1), dtype=torch.int32, device=history.device)
-    if out.dtype != torch.int32 or out.numel() < b * (k + 1) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 buffer of >= {b * (k + 1)} values")
+    _check(history, k, min_n, max_n, out, b * (k + 1))
     if packed.dtype != torch.int64 or packed.numel() < 4 * (b + (b & 1)):
         raise ValueError("packed must be pack_inputs' int64 buffer for num_seqs sequences")
     if b:
-        _launch(history, packed, out, packed, packed, b, 0, k, k + 1, min_n, max_n, update)
+        how = FROM_HOST if update else 0
+        _launch(history, packed, out, packed, packed, b, 0, k, k + 1, min_n, max_n, how)
     return out
 
 
@@ -184,22 +178,32 @@ def ngram_after_verify(
     Writes int32 ``[N, k + 2]`` into ``out``: the drafts, their number (``k`` or 0), and
     the row's new length. ``k`` a power of two; the rows must be wide enough."""
     n = tokens.shape[0]
-    if history.dtype != torch.int32 or history.dim() != 2 or history.stride(1) != 1:
-        raise ValueError(f"history must be a row-major [S, C] int32 tensor, got {history.dtype}")
-    if k < 1 or k & (k - 1):
-        raise ValueError(f"k={k}: must be a power of two")
+    _check(history, k, min_n, max_n, out, n * (k + 2))
     if tokens.dim() != 2 or tokens.stride(1) != 1 or num_accepted.shape != (n,):
         raise ValueError(f"tokens [N, T] row-major and num_accepted [N]: {tokens.shape}")
     if staged.dtype != torch.int64 or staged.numel() < 2 * (n + (n & 1)):
         raise ValueError("staged must hold int64 [slots | upto] for the N verify rows")
-    if out.dtype != torch.int32 or out.numel() < n * (k + 2) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 buffer of >= {n * (k + 2)} values")
     if n:
         _launch(
             history, staged, out, tokens, num_accepted, n, tokens.stride(0), k, k + 2,
             min_n, max_n, FROM_VERIFY,
         )  # fmt: skip
     return out
+
+
+def _check(
+    history: torch.Tensor, k: int, min_n: int, max_n: int, out: torch.Tensor, need: int
+) -> None:
+    """ValueError unless the arguments both launchers share are usable (``out``: at
+    least ``need`` int32 values, contiguous)."""
+    if history.dtype != torch.int32 or history.dim() != 2 or history.stride(1) != 1:
+        raise ValueError(f"history must be a row-major [S, C] int32 tensor, got {history.dtype}")
+    if k < 1 or k & (k - 1):
+        raise ValueError(f"k={k}: must be a power of two")
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"min_n={min_n}, max_n={max_n}: need 1 <= min_n <= max_n")
+    if out.dtype != torch.int32 or out.numel() < need or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 buffer of >= {need} values")
 
 
 def _launch(
@@ -216,6 +220,7 @@ def _launch(
     max_n: int,
     update: int,
 ) -> None:
+    """One launch (``update``: 0, FROM_HOST or FROM_VERIFY)."""
     _ngram_match_kernel[(b,)](
         history,
         packed,
@@ -229,7 +234,7 @@ def _launch(
         MAX_N=max_n,
         K=k,
         OUT_W=out_w,
-        UPDATE=int(update),
+        UPDATE=update,
         BLOCK=BLOCK,
         num_warps=4,
     )
