@@ -314,8 +314,9 @@ class EngineCore:
             self.vocab_size,
             decode_rows=bool(graph) and tokens > len(batch),
         )
-        if step.sampling.spec_k and self.speculator is not None:
-            self.speculator.stage([seqs[r] for r in step.sampling.spec_rows])
+        spec = self.speculator
+        if step.sampling.spec_k and spec is not None and spec.follows_verify:
+            spec.stage([seqs[r] for r in step.sampling.spec_rows])
         prompt_lp = prompt_logprob_inputs(batch, step)
         if prompt_lp and step.graph_size:  # never for decode-shaped steps; kept safe
             step.graph_size = 0

@@ -108,6 +108,8 @@ class Speculator:
         self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats(accepted_per_pos=[0] * k)
         self.propose_s = 0.0  # wall time in the proposer's host calls (seconds, cumulative)
+        # the proposer drafts right after a verify step, on the device (VerifyFollower)
+        self.follows_verify = hasattr(proposer, "after_verify")
 
     def active(self, num_running: int) -> bool:
         """Whether this step speculates (the batch is small enough)."""
@@ -163,19 +165,12 @@ class Speculator:
                 seq.draft_q = (out.q_ids[i, :d], out.q_probs[i, :d])
 
     def stage(self, verifying: list[Sequence]) -> None:
-        """Before a verify step is launched: its verify rows' sequences, in row order, for a
-        proposer that drafts the next step right after the rejection sampler, on the
-        device (``after_verify``, the worker's verify hook)."""
-        stage = getattr(self.proposer, "stage_verify", None)
-        if stage is not None:
-            t0 = time.perf_counter()
-            stage([seq.seq_id for seq in verifying])
-            self.propose_s += time.perf_counter() - t0
-
-    @property
-    def follows_verify(self) -> bool:
-        """Whether the proposer drafts right after a verify step, on the device."""
-        return hasattr(self.proposer, "after_verify")
+        """Before a verify step is launched (``follows_verify`` only): its verify rows'
+        sequences, in row order, for the proposer to draft the next step right after the
+        rejection sampler, on the device (``after_verify``, the worker's verify hook)."""
+        t0 = time.perf_counter()
+        self.proposer.stage_verify([seq.seq_id for seq in verifying])  # type: ignore[attr-defined]
+        self.propose_s += time.perf_counter() - t0
 
     def after_verify(self, tokens: Any, num_accepted: Any) -> None:
         """The worker's verify hook (device tensors: the rejection sampler's output)."""
