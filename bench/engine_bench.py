@@ -120,6 +120,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "spec",
     "spec-piecewise",
     "decode-kernels",
+    "decode-kernels-int4",
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
@@ -1249,6 +1250,14 @@ def write_int4_checkpoint(
     return dst
 
 
+def int4_checkpoint(ckpt: Path, fmt: str) -> Path:
+    """The 4-bit checkpoint in ``fmt`` beside ``ckpt``, written from it on first use."""
+    path = ckpt.with_name(f"{ckpt.name}-{fmt}")
+    if not path.is_dir():
+        write_int4_checkpoint(ckpt, path, fmt)
+    return path
+
+
 def phase_int4(ckpt: Path, out_dir: Path) -> dict[str, Any]:
     """C (batch-1 TPOT) with 4-bit weights in each layout, written from the bf16
     checkpoint on first use, and bf16's C from the ``ours`` phase of this run (measured
@@ -1263,10 +1272,8 @@ def phase_int4(ckpt: Path, out_dir: Path) -> dict[str, Any]:
         del llm
         _free_gpu()
     for fmt in INT4_FORMATS:
-        path = ckpt.with_name(f"{ckpt.name}-{fmt}")
         t0 = time.perf_counter()
-        if not path.is_dir():
-            write_int4_checkpoint(ckpt, path, fmt)
+        path = int4_checkpoint(ckpt, fmt)
         written = time.perf_counter()
         llm = _llm(path, cuda_graph_max_batch=16)
         res[fmt] = {
@@ -1722,6 +1729,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve-tp2": lambda: phase_serve(ckpt, out, conc, tensor_parallel_size=2),
         "allreduce": lambda: phase_allreduce(ckpt),
         "decode-kernels": lambda: phase_decode_kernels(ckpt),
+        "decode-kernels-int4": lambda: phase_decode_kernels(int4_checkpoint(ckpt, "gptq")),
         "piecewise": lambda: phase_piecewise(ckpt, out / "compile-cache"),
         "piecewise-warm": lambda: phase_piecewise_warm(ckpt, out / "compile-cache"),
         "serve-piecewise": lambda: phase_serve_piecewise(

@@ -229,6 +229,22 @@ plan_r9b() {
   step profile-spec 300 python3 bench/profile_spec.py --ckpt "$CKPT"
 }
 
+# Issue 23, 2026-11-26 sixth session (one GPU): the W4A16 kernels with the codes turned
+# into floats by the 2**23 bit trick and split-K summed inside the product kernel:
+# kernel tests natively, the per-layer times with the sweep (FIXUP 0 = the old second
+# kernel), int4 C against bf16 C, and where int4 C's step goes.
+plan_r10() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  (step tests-kernels 200 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_w4a16.py
+   step kernels-w4a16 200 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep) &
+  wait
+  step tests-gpu 200 "${pt[@]}" -s tests/gpu/test_int4_cuda.py
+  bench int4 200 int4
+  bench decode-kernels-int4 120 decode-kernels-int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

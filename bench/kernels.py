@@ -533,9 +533,14 @@ class Bench:
         ops = self._w4a16_operands(m, k, n)
         x, qw, s, z = ops["x"], ops["qweight"], ops["scales"], ops["zeros"]
         base = w4a16.w4a16_config(m, n, k, self.device)
-        # the heuristic's, the tl.dot kernel's heuristic (for one row: what GEMV replaced),
-        # then the sweep's tiles with the heuristic's kernel
-        configs = [dict(base), w4a16.w4a16_config(m, n, k, self.device, gemv=False)]
+        # the heuristic's, the same with split-K summed by a second kernel (FIXUP 0), the
+        # tl.dot kernel's heuristic (for one row: what GEMV replaced), then the sweep's
+        # tiles with the heuristic's kernel
+        configs = [
+            dict(base),
+            dict(base, FIXUP=0),
+            w4a16.w4a16_config(m, n, k, self.device, gemv=False),
+        ]
         gemv = bool(base.get("GEMV"))
         kernel = {"GEMV": 1} if gemv else {}
         splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}

@@ -49,11 +49,16 @@ SYMMETRIC_ZERO = 8
 ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
 TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
 MAX_SPLIT_K = 16
+MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
 
 # how a K tile finds its groups (the GROUP_MODE constexpr)
 TILE = 0  # the whole tile lies in one group
 MULTI = 1  # the tile holds BLOCK_K // group_size whole groups
 ROW = 2  # each row looks its group up (g_idx, or group sizes that do not tile)
+
+# A 4-bit code c (0..15) OR-ed into the bits of 2.0**23 is the float 2**23 + c.
+MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
+MAGIC_VALUE: tl.constexpr = tl.constexpr(8388608.0)
 
 
 # ---- the layout ------------------------------------------------------------------------
@@ -245,7 +250,11 @@ def _unpack_tile(
         other=0,
     )
     codes = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-    return tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    # The code as the mantissa of 2**23 (bits 0x4B000000), minus 2**23: exact, and two
+    # cheap ops where an int-to-float conversion runs at a quarter of the FP32 rate or less
+    # (on an H100 it bounded the batch-1 GEMV).
+    codes = (codes | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC_VALUE
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -261,6 +270,49 @@ def _group_scale(s_ptr, z_ptr, g, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP: 
     return s, zs
 
 
+@triton.jit
+def _store_out(
+    acc,
+    c_ptr,
+    p_ptr,
+    lock_ptr,
+    tile,
+    split_idx,
+    splits,
+    c_off,
+    c_mask,
+    stride_cs,
+    SPLIT: tl.constexpr,
+    FIXUP: tl.constexpr,
+):
+    """Writes a program's fp32 ``acc`` (its split of K for output tile ``tile``).
+
+    Unsplit: cast into ``c``. Split without ``FIXUP``: the partial into ``p`` (a second
+    kernel sums them). Split with ``FIXUP``: the partial into ``p``, then a ticket from
+    the tile's counter; the tile's last split to arrive sums every partial in split order
+    (the same sum as the second kernel's) into ``c`` and resets the counter to 0 for the
+    next launch: one kernel instead of two."""
+    if not SPLIT:
+        tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        tl.store(p_ptr + split_idx * stride_cs + c_off, acc, mask=c_mask)
+        if FIXUP:
+            tl.debug_barrier()  # every thread's partial is written before the release
+            ticket = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+            if ticket == splits - 1:
+                tl.debug_barrier()
+                total = tl.zeros_like(acc)
+                for s in range(splits):
+                    total += tl.load(
+                        p_ptr + s * stride_cs + c_off,
+                        mask=c_mask,
+                        other=0.0,
+                        cache_modifier=".cg",  # other programs' partials: not from L1
+                    )
+                tl.store(c_ptr + c_off, total.to(c_ptr.dtype.element_ty), mask=c_mask)
+                tl.atomic_xchg(lock_ptr + tile, 0)
+
+
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["M", "stride_cs"])
 def _w4a16_kernel(
@@ -271,6 +323,8 @@ def _w4a16_kernel(
     perm_ptr,
     gidx_ptr,
     c_ptr,
+    p_ptr,
+    lock_ptr,
     M,
     N,
     K,
@@ -293,6 +347,7 @@ def _w4a16_kernel(
     HAS_PERM: tl.constexpr,
     HAS_GIDX: tl.constexpr,
     SPLIT: tl.constexpr,
+    FIXUP: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -363,10 +418,20 @@ def _w4a16_kernel(
 
     c_mask = m_mask[:, None] & n_mask[None, :]
     c_off = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    if SPLIT:
-        tl.store(c_ptr + pid_k * stride_cs + c_off, acc, mask=c_mask)
-    else:
-        tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    _store_out(
+        acc,
+        c_ptr,
+        p_ptr,
+        lock_ptr,
+        pid,
+        pid_k,
+        tl.num_programs(1),
+        c_off,
+        c_mask,
+        stride_cs,
+        SPLIT,
+        FIXUP,
+    )
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -388,6 +453,8 @@ def _w4a16_gemv_kernel(
     z_ptr,
     perm_ptr,
     c_ptr,
+    p_ptr,
+    lock_ptr,
     N,
     K,
     k_per_split,
@@ -401,6 +468,7 @@ def _w4a16_gemv_kernel(
     HAS_ZP: tl.constexpr,
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
     tile adds ``s sum_k c x + z' sum_k x`` per column (reduced over K every tile: on an
@@ -421,10 +489,36 @@ def _w4a16_gemv_kernel(
             s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
         )
         acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
-    if SPLIT:
-        tl.store(c_ptr + pid_k * stride_cs + offs_n, acc, mask=n_mask)
-    else:
-        tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=n_mask)
+    _store_out(
+        acc,
+        c_ptr,
+        p_ptr,
+        lock_ptr,
+        pid_n,
+        pid_k,
+        tl.num_programs(1),
+        offs_n,
+        n_mask,
+        stride_cs,
+        SPLIT,
+        FIXUP,
+    )
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's ``[MAX_FIXUP_TILES]`` int32 arrival counters, zero between launches
+    (each split product's last program resets its tiles'). Shared by every product on
+    the device, which is safe while they run one at a time on a stream; made outside any
+    CUDA-graph capture (the first call of a shape runs eagerly before capture)."""
+    locks = _LOCKS.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("w4a16: first call on a device inside a CUDA-graph capture")
+        locks = _LOCKS[device] = torch.zeros(MAX_FIXUP_TILES, dtype=torch.int32, device=device)
+    return locks
 
 
 def gemv_fits(group_size: int, groups: int, block_k: int, has_g_idx: bool) -> bool:
@@ -471,7 +565,10 @@ def w4a16_gemm(
         triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),
         splits,
     )
+    want_fixup = bool(cfg.pop("FIXUP", 1))
+    fixup = split and want_fixup and grid[0] <= MAX_FIXUP_TILES
     dummy = qweight  # stands in for absent optional tensors (never read)
+    locks = _tile_counters(x.device) if fixup else dummy
     if gemv:
         del cfg["BLOCK_M"]
         _w4a16_gemv_kernel[grid](
@@ -480,7 +577,9 @@ def w4a16_gemm(
             scales,
             zeros if zeros is not None else dummy,
             perm if perm is not None else dummy,
+            out,
             partial,
+            locks,
             n,
             k,
             per_split,
@@ -492,6 +591,7 @@ def w4a16_gemm(
             HAS_ZP=zeros is not None,
             HAS_PERM=perm is not None,
             SPLIT=split,
+            FIXUP=fixup,
             **cfg,
         )
     else:
@@ -502,7 +602,9 @@ def w4a16_gemm(
             zeros if zeros is not None else dummy,
             perm if perm is not None else dummy,
             g_idx if g_idx is not None else dummy,
+            out,
             partial,
+            locks,
             m,
             n,
             k,
@@ -522,10 +624,11 @@ def w4a16_gemm(
             HAS_PERM=perm is not None,
             HAS_GIDX=g_idx is not None,
             SPLIT=split,
+            FIXUP=fixup,
             DOT_PREC=dot_precision(x.dtype),
             **cfg,
         )
-    if split:
+    if split and not fixup:
         total = m * n
         block = 1024
         _split_k_sum_kernel[(triton.cdiv(total, block),)](

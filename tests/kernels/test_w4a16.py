@@ -200,6 +200,29 @@ def test_empty_batch(device: torch.device) -> None:
     assert out.shape == (0, 16)
 
 
+@pytest.mark.parametrize("gemv", [0, 1])
+@pytest.mark.parametrize("split", [2, 3, 16])
+def test_split_k_in_one_kernel_equals_the_sum_kernel(
+    gemv: int, split: int, device: torch.device
+) -> None:
+    """The last split to arrive sums the partials in split order: the same bits as the
+    separate sum kernel, the tile counters back at zero after every call, and again
+    on the next calls (the counters are shared by every product on the device)."""
+    w = _weights(256, 96, 64, device)
+    w.pop("codes")
+    cfg = {"GEMV": gemv, "BLOCK_M": 1 if gemv else 16, "BLOCK_N": 32, "BLOCK_K": 32,
+           "SPLIT_K": split, "num_warps": 4}  # fmt: skip
+    if not gemv:
+        del cfg["GEMV"]
+    for m in [1] if gemv else [1, 5, 19]:
+        for _ in range(3):
+            x = torch.randn(m, 256, dtype=torch.float16, device=device)
+            one = w4a16_gemm(x, **w, config=cfg)  # type: ignore[arg-type]
+            assert int(w4a16._tile_counters(x.device).abs().sum()) == 0
+            two = w4a16_gemm(x, **w, config={**cfg, "FIXUP": 0})  # type: ignore[arg-type]
+            torch.testing.assert_close(one, two, rtol=0, atol=0)
+
+
 def test_config_splits_decode_and_not_prefill() -> None:
     dev = torch.device("cpu")
     sms = w4a16.num_sms(dev)
@@ -229,19 +252,23 @@ def test_w4a16_act_order_8b_gpu() -> None:
 
 
 @gpu_only
-def test_w4a16_replays_in_a_cuda_graph() -> None:
-    """A split-K decode product captured in a CUDA graph and replayed with new input
-    gives the eager result (no host sync or allocation outside the graph's pool)."""
+@pytest.mark.parametrize("m", [1, 4])
+def test_w4a16_replays_in_a_cuda_graph(m: int) -> None:
+    """A split-K decode product (the GEMV, the tile kernel) captured in a CUDA graph and
+    replayed with new input gives the eager result (no host sync or allocation outside
+    the graph's pool)."""
     dev = torch.device("cuda")
     w = _weights(4096, 4096, 128, dev)
     w.pop("codes")
-    x = torch.randn(4, 4096, dtype=torch.bfloat16, device=dev)
-    assert w4a16_config(4, 4096, 4096, dev)["SPLIT_K"] > 1
+    x = torch.randn(m, 4096, dtype=torch.bfloat16, device=dev)
+    assert w4a16_config(m, 4096, 4096, dev)["SPLIT_K"] > 1
     w4a16_gemm(x, **w)  # type: ignore[arg-type]  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = w4a16_gemm(x, **w)  # type: ignore[arg-type]
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, w4a16_gemm(x, **w), rtol=0, atol=0)  # type: ignore[arg-type]
+    for _ in range(50):  # the split-K arrivals race differently on every replay
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, w4a16_gemm(x, **w), rtol=0, atol=0)  # type: ignore[arg-type]
+    assert int(w4a16._tile_counters(dev).abs().sum()) == 0
