@@ -245,6 +245,21 @@ plan_r10() {
   bench decode-kernels-int4 120 decode-kernels-int4
 }
 
+# r10b: the GEMV unpacking by nibble (GEMV 2) beside r10's (GEMV 1): kernel tests
+# natively and the sweep, which picks the default for r10c (the engine's int4 C).
+plan_r10b() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step tests-kernels 200 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_w4a16.py
+  step kernels-w4a16 200 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
+}
+
+plan_r10c() {
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  bench int4 200 int4
+  bench decode-kernels-int4 120 decode-kernels-int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

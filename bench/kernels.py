@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -542,10 +543,10 @@ class Bench:
             w4a16.w4a16_config(m, n, k, self.device, gemv=False),
         ]
         gemv = bool(base.get("GEMV"))
-        kernel = {"GEMV": 1} if gemv else {}
         splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
+        kernels = [{"GEMV": 1}, {"GEMV": 2}] if gemv else [{}]  # both ways of unpacking
         for bn, bk, warps, stages in W4A16_GEMV_SWEEP if gemv else W4A16_SWEEP:
-            for split in sorted(splits):
+            for split, kernel in itertools.product(sorted(splits), kernels):
                 configs.append(
                     dict(
                         **kernel,

@@ -469,26 +469,61 @@ def _w4a16_gemv_kernel(
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
+    BY_NIBBLE: tl.constexpr,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
-    tile adds ``s sum_k c x + z' sum_k x`` per column (reduced over K every tile: on an
-    H100 12-20% faster than keeping ``[BLOCK_K, BLOCK_N]`` partial products for one final
-    reduction, 25-60% faster than loading each row's word instead of unpacking a tile)."""
+    tile adds ``s sum_k c x + z' sum_k x`` per column.
+
+    ``BY_NIBBLE`` 0: the tile's words are unpacked into a ``[BLOCK_K, BLOCK_N]`` tile and
+    reduced over K every tile (on an H100 12-20% faster than keeping that whole tile of
+    partial products to the end, 25-60% faster than loading each row's word). 1: the
+    words stay ``[BLOCK_K/8, BLOCK_N]``; nibble j of every word multiplies activation
+    rows ``8r + j`` into one partial of that shape (no reshape, no reduction across
+    threads inside the loop), which is reduced once at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k_mask, cols = _tile_rows(perm_ptr, k0, k_end, BLOCK_K, HAS_PERM)
-        a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        codes = _unpack_tile(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K, BLOCK_N)
-        s, zs = _group_scale(
-            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
-        )
-        acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
+    if BY_NIBBLE:
+        offs_r = tl.arange(0, BLOCK_K // 8)
+        part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            first = k0 + offs_r * 8  # the first weight row of each word row
+            words = tl.load(
+                qw_ptr + (first // 8)[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+                mask=(first < k_end)[:, None] & n_mask[None, :],
+                other=0,
+            )
+            t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                rows = first + j
+                r_mask = rows < k_end
+                if HAS_PERM:
+                    cols = tl.load(perm_ptr + rows, mask=r_mask, other=0)
+                else:
+                    cols = rows
+                a = tl.load(a_ptr + cols, mask=r_mask, other=0.0).to(tl.float32)
+                c = ((words >> (4 * j)) & 0xF) | MAGIC_BITS
+                t += (c.to(tl.float32, bitcast=True) - MAGIC_VALUE) * a[:, None]
+                a_sum += a
+            s, zs = _group_scale(
+                s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
+            )
+            part += s[None, :] * t + zs[None, :] * a_sum[:, None]
+        acc = tl.sum(part, axis=0)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_mask, cols = _tile_rows(perm_ptr, k0, k_end, BLOCK_K, HAS_PERM)
+            a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+            codes = _unpack_tile(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K, BLOCK_N)
+            s, zs = _group_scale(
+                s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
+            )
+            acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
     _store_out(
         acc,
         c_ptr,
@@ -556,7 +591,7 @@ def w4a16_gemm(
         raise ValueError(f"BLOCK_K must be a multiple of 8 and >= 16, got {block_k}")
     per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
     mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
-    gemv = bool(cfg.pop("GEMV", 0))
+    gemv = int(cfg.pop("GEMV", 0))  # 1: tile unpacking, 2: by nibble (the GEMV kernel)
     if gemv and (m != 1 or mode != TILE):
         raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
     split = splits > 1
@@ -592,6 +627,7 @@ def w4a16_gemm(
             HAS_PERM=perm is not None,
             SPLIT=split,
             FIXUP=fixup,
+            BY_NIBBLE=gemv == 2,
             **cfg,
         )
     else:
