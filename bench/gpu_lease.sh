@@ -245,8 +245,9 @@ plan_r10() {
   bench decode-kernels-int4 120 decode-kernels-int4
 }
 
-# r10b: the GEMV unpacking by nibble (GEMV 2) beside r10's (GEMV 1): kernel tests
-# natively and the sweep, which picks the default for r10c (the engine's int4 C).
+# r10b: a second GEMV (GEMV 2: first unpacking by nibble, then, in r10b's second call,
+# prefetching the next tile) beside r10's (GEMV 1): kernel tests natively and the sweep,
+# which picks the default for r10c (the engine's int4 C).
 plan_r10b() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)

@@ -544,7 +544,7 @@ class Bench:
         ]
         gemv = bool(base.get("GEMV"))
         splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
-        kernels = [{"GEMV": 1}, {"GEMV": 2}] if gemv else [{}]  # both ways of unpacking
+        kernels = [{"GEMV": 1}, {"GEMV": 2}] if gemv else [{}]  # GEMV 2: prefetching
         for bn, bk, warps, stages in W4A16_GEMV_SWEEP if gemv else W4A16_SWEEP:
             for split, kernel in itertools.product(sorted(splits), kernels):
                 configs.append(

@@ -56,10 +56,6 @@ TILE = 0  # the whole tile lies in one group
 MULTI = 1  # the tile holds BLOCK_K // group_size whole groups
 ROW = 2  # each row looks its group up (g_idx, or group sizes that do not tile)
 
-# A 4-bit code c (0..15) OR-ed into the bits of 2.0**23 is the float 2**23 + c.
-MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
-MAGIC_VALUE: tl.constexpr = tl.constexpr(8388608.0)
-
 
 # ---- the layout ------------------------------------------------------------------------
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -236,25 +232,33 @@ def _tile_rows(perm_ptr, k0, k_end, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexp
 
 
 @triton.jit
-def _unpack_tile(
-    qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """Codes of rows ``k0 .. k0 + BLOCK_K - 1`` (zero past ``k_end``) and columns
-    ``offs_n``: ``[BLOCK_K, BLOCK_N]`` fp32, from ``BLOCK_K / 8`` rows of packed words
-    (each holds rows 8r .. 8r+7 of one column)."""
+def _load_words(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K: tl.constexpr):
+    """The packed words of rows ``k0 .. k0 + BLOCK_K - 1`` (zero past ``k_end``: a tile
+    wholly past it reads no memory) and columns ``offs_n``: ``[BLOCK_K / 8, BLOCK_N]``
+    int32, each holding rows 8r .. 8r+7 of one column."""
     offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     p_mask = offs_p * 8 < k_end
-    words = tl.load(
+    return tl.load(
         qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
         mask=p_mask[:, None] & n_mask[None, :],
         other=0,
     )
+
+
+@triton.jit
+def _codes(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_K / 8, BLOCK_N]`` words -> their codes, ``[BLOCK_K, BLOCK_N]`` fp32."""
     codes = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-    # The code as the mantissa of 2**23 (bits 0x4B000000), minus 2**23: exact, and two
-    # cheap ops where an int-to-float conversion runs at a quarter of the FP32 rate or less
-    # (on an H100 it bounded the batch-1 GEMV).
-    codes = (codes | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC_VALUE
-    return tl.reshape(codes, (BLOCK_K, BLOCK_N))
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+
+
+@triton.jit
+def _unpack_tile(
+    qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Codes of rows ``k0 .. k0 + BLOCK_K - 1`` and columns ``offs_n`` (fp32)."""
+    words = _load_words(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K)
+    return _codes(words, BLOCK_K, BLOCK_N)
 
 
 @triton.jit
@@ -469,61 +473,41 @@ def _w4a16_gemv_kernel(
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
-    BY_NIBBLE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
-    tile adds ``s sum_k c x + z' sum_k x`` per column.
+    tile adds ``s sum_k c x + z' sum_k x`` per column (reduced over K every tile: on an
+    H100 12-20% faster than keeping ``[BLOCK_K, BLOCK_N]`` partial products for one final
+    reduction, 25-60% faster than loading each row's word instead of unpacking a tile;
+    as fast as multiplying nibble j of every word by rows 8r + j into a ``[BLOCK_K / 8,
+    BLOCK_N]`` partial, r10b).
 
-    ``BY_NIBBLE`` 0: the tile's words are unpacked into a ``[BLOCK_K, BLOCK_N]`` tile and
-    reduced over K every tile (on an H100 12-20% faster than keeping that whole tile of
-    partial products to the end, 25-60% faster than loading each row's word). 1: the
-    words stay ``[BLOCK_K/8, BLOCK_N]``; nibble j of every word multiplies activation
-    rows ``8r + j`` into one partial of that shape (no reshape, no reduction across
-    threads inside the loop), which is reduced once at the end."""
+    ``PREFETCH``: each iteration first loads the next tile's words, so their memory
+    latency overlaps this tile's arithmetic (the loop is not pipelined by Triton: no
+    ``tl.dot`` consumes the loads). Without it, the words are loaded when used."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if BY_NIBBLE:
-        offs_r = tl.arange(0, BLOCK_K // 8)
-        part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            first = k0 + offs_r * 8  # the first weight row of each word row
-            words = tl.load(
-                qw_ptr + (first // 8)[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-                mask=(first < k_end)[:, None] & n_mask[None, :],
-                other=0,
-            )
-            t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-            a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
-            for j in tl.static_range(8):
-                rows = first + j
-                r_mask = rows < k_end
-                if HAS_PERM:
-                    cols = tl.load(perm_ptr + rows, mask=r_mask, other=0)
-                else:
-                    cols = rows
-                a = tl.load(a_ptr + cols, mask=r_mask, other=0.0).to(tl.float32)
-                c = ((words >> (4 * j)) & 0xF) | MAGIC_BITS
-                t += (c.to(tl.float32, bitcast=True) - MAGIC_VALUE) * a[:, None]
-                a_sum += a
-            s, zs = _group_scale(
-                s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
-            )
-            part += s[None, :] * t + zs[None, :] * a_sum[:, None]
-        acc = tl.sum(part, axis=0)
-    else:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k_mask, cols = _tile_rows(perm_ptr, k0, k_end, BLOCK_K, HAS_PERM)
-            a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-            codes = _unpack_tile(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K, BLOCK_N)
-            s, zs = _group_scale(
-                s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
-            )
-            acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if PREFETCH:
+        words = _load_words(qw_ptr, k_start, k_end, offs_n, n_mask, stride_qk, BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if PREFETCH:
+            ahead = _load_words(qw_ptr, k0 + BLOCK_K, k_end, offs_n, n_mask, stride_qk, BLOCK_K)
+        else:
+            words = _load_words(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K)
+        k_mask, cols = _tile_rows(perm_ptr, k0, k_end, BLOCK_K, HAS_PERM)
+        a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        codes = _codes(words, BLOCK_K, BLOCK_N)
+        s, zs = _group_scale(
+            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
+        )
+        acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
+        if PREFETCH:
+            words = ahead
     _store_out(
         acc,
         c_ptr,
@@ -591,7 +575,7 @@ def w4a16_gemm(
         raise ValueError(f"BLOCK_K must be a multiple of 8 and >= 16, got {block_k}")
     per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
     mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
-    gemv = int(cfg.pop("GEMV", 0))  # 1: tile unpacking, 2: by nibble (the GEMV kernel)
+    gemv = int(cfg.pop("GEMV", 0))  # the GEMV kernel; 2: with PREFETCH
     if gemv and (m != 1 or mode != TILE):
         raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
     split = splits > 1
@@ -627,7 +611,7 @@ def w4a16_gemm(
             HAS_PERM=perm is not None,
             SPLIT=split,
             FIXUP=fixup,
-            BY_NIBBLE=gemv == 2,
+            PREFETCH=gemv == 2,
             **cfg,
         )
     else:

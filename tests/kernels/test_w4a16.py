@@ -115,7 +115,7 @@ def test_w4a16_group_modes_and_splits(
 def test_w4a16_gemv_one_row(
     unpack: int, split: int, block_k: int, group_size: int, device: torch.device
 ) -> None:
-    """The one-row kernel (both ways of unpacking): tiles of one group (or one group in
+    """The one-row kernel (with and without prefetching): tiles of one group (or one group in
     all), zero points or not, an act-order permutation, every split count, K not a
     multiple of the tile."""
     cfg = {"GEMV": unpack, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split}
