@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -544,9 +543,9 @@ class Bench:
         ]
         gemv = bool(base.get("GEMV"))
         splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
-        kernels = [{"GEMV": 1}, {"GEMV": 2}] if gemv else [{}]  # GEMV 2: prefetching
+        kernel = {"GEMV": 1} if gemv else {}
         for bn, bk, warps, stages in W4A16_GEMV_SWEEP if gemv else W4A16_SWEEP:
-            for split, kernel in itertools.product(sorted(splits), kernels):
+            for split in sorted(splits):
                 configs.append(
                     dict(
                         **kernel,

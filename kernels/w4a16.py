@@ -23,8 +23,8 @@ Layout (``K`` input features, ``N`` output features, ``G`` groups):
 The kernel loads a ``[BLOCK_K/8, BLOCK_N]`` tile of packed words, shifts out the eight
 nibbles of each word into a ``[BLOCK_K, BLOCK_N]`` tile, applies the group's zero point
 and scale, rounds to the activation dtype and feeds ``tl.dot``. Decode-sized batches use
-split-K (each program sums a slice of K into an fp32 partial; a second kernel adds the
-slices and casts), so that a few output tiles still occupy every SM; prefill-sized
+split-K (each program sums a slice of K into an fp32 partial; the last program of each
+output tile to finish adds the slices and casts), so that a few output tiles still occupy every SM; prefill-sized
 batches use larger tiles and no split. A single row (batch-1 decode) with whole groups
 per K tile takes a GEMV kernel instead: no ``tl.dot`` (whose 16-row minimum would waste
 15 of 16 rows), each program multiplying codes by the activations and reducing over K,
@@ -232,33 +232,21 @@ def _tile_rows(perm_ptr, k0, k_end, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexp
 
 
 @triton.jit
-def _load_words(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K: tl.constexpr):
-    """The packed words of rows ``k0 .. k0 + BLOCK_K - 1`` (zero past ``k_end``: a tile
-    wholly past it reads no memory) and columns ``offs_n``: ``[BLOCK_K / 8, BLOCK_N]``
-    int32, each holding rows 8r .. 8r+7 of one column."""
+def _unpack_tile(
+    qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Codes of rows ``k0 .. k0 + BLOCK_K - 1`` (zero past ``k_end``) and columns
+    ``offs_n``: ``[BLOCK_K, BLOCK_N]`` fp32, from ``BLOCK_K / 8`` rows of packed words
+    (each holds rows 8r .. 8r+7 of one column)."""
     offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     p_mask = offs_p * 8 < k_end
-    return tl.load(
+    words = tl.load(
         qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
         mask=p_mask[:, None] & n_mask[None, :],
         other=0,
     )
-
-
-@triton.jit
-def _codes(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``[BLOCK_K / 8, BLOCK_N]`` words -> their codes, ``[BLOCK_K, BLOCK_N]`` fp32."""
     codes = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
     return tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
-
-
-@triton.jit
-def _unpack_tile(
-    qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """Codes of rows ``k0 .. k0 + BLOCK_K - 1`` and columns ``offs_n`` (fp32)."""
-    words = _load_words(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K)
-    return _codes(words, BLOCK_K, BLOCK_N)
 
 
 @triton.jit
@@ -473,18 +461,15 @@ def _w4a16_gemv_kernel(
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
     tile adds ``s sum_k c x + z' sum_k x`` per column (reduced over K every tile: on an
     H100 12-20% faster than keeping ``[BLOCK_K, BLOCK_N]`` partial products for one final
-    reduction, 25-60% faster than loading each row's word instead of unpacking a tile;
-    as fast as multiplying nibble j of every word by rows 8r + j into a ``[BLOCK_K / 8,
-    BLOCK_N]`` partial, r10b).
-
-    ``PREFETCH``: each iteration first loads the next tile's words, so their memory
-    latency overlaps this tile's arithmetic (the loop is not pipelined by Triton: no
-    ``tl.dot`` consumes the loads). Without it, the words are loaded when used."""
+    reduction, 25-60% faster than loading each row's word instead of unpacking a tile).
+    Tried on an H100 and not kept (NOTES e18): codes to floats by OR-ing them into the
+    bits of 2**23 instead of converting, multiplying nibble j of each word by rows
+    8r + j into a ``[BLOCK_K / 8, BLOCK_N]`` partial, prefetching the next tile's words:
+    each within a few percent either way."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -492,22 +477,14 @@ def _w4a16_gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if PREFETCH:
-        words = _load_words(qw_ptr, k_start, k_end, offs_n, n_mask, stride_qk, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if PREFETCH:
-            ahead = _load_words(qw_ptr, k0 + BLOCK_K, k_end, offs_n, n_mask, stride_qk, BLOCK_K)
-        else:
-            words = _load_words(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K)
         k_mask, cols = _tile_rows(perm_ptr, k0, k_end, BLOCK_K, HAS_PERM)
         a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        codes = _codes(words, BLOCK_K, BLOCK_N)
+        codes = _unpack_tile(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K, BLOCK_N)
         s, zs = _group_scale(
             s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
         )
         acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
-        if PREFETCH:
-            words = ahead
     _store_out(
         acc,
         c_ptr,
@@ -575,7 +552,7 @@ def w4a16_gemm(
         raise ValueError(f"BLOCK_K must be a multiple of 8 and >= 16, got {block_k}")
     per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
     mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
-    gemv = int(cfg.pop("GEMV", 0))  # the GEMV kernel; 2: with PREFETCH
+    gemv = bool(cfg.pop("GEMV", 0))
     if gemv and (m != 1 or mode != TILE):
         raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
     split = splits > 1
@@ -611,7 +588,6 @@ def w4a16_gemm(
             HAS_PERM=perm is not None,
             SPLIT=split,
             FIXUP=fixup,
-            PREFETCH=gemv == 2,
             **cfg,
         )
     else:
