@@ -111,6 +111,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "peer-b",
     "prefix",
     "prefix-noise",
+    "prefix-interleaved",
     "fp8",
     "structured",
     "piecewise",
@@ -898,6 +899,28 @@ def phase_prefix_noise(ckpt: Path, **kw: Any) -> dict[str, Any]:
         res["on" if caching else "off"] = {"runs": runs, **_spread(runs)}
         del llm
         _free_gpu()
+    return res
+
+
+def phase_prefix_interleaved(ckpt: Path) -> dict[str, Any]:
+    """The same comparison in one engine, runs alternating off / on ``PREFIX_REPEATS``
+    times after a warm-up run, so neither mode gets its own engine, KV pool or GPU state:
+    caching is switched between runs on the engine's block manager (its only user),
+    the cache emptied before each run. Each run's prompts are new (0% hits)."""
+    a_n, a_in, a_out = A_SHAPE
+    llm = _llm(ckpt, enable_prefix_caching=True)
+    blocks = llm.engine.block_manager
+    _offline(llm, _prompts(a_n, a_in, 100), [a_out] * a_n)  # warm-up
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(PREFIX_REPEATS):
+        for mode in ("off", "on"):
+            llm.engine.reset_prefix_cache()
+            blocks.enable_caching = mode == "on"
+            prompts = _prompts(a_n, a_in, 200 + 2 * r + (mode == "on"))
+            runs[mode].append(_offline(llm, prompts, [a_out] * a_n)["output_tok_per_s"])
+    _close(llm)
+    res: dict[str, Any] = {m: {"runs": v, **_spread(v)} for m, v in runs.items()}
+    res["on_vs_off"] = res["on"]["mean"] / res["off"]["mean"] - 1
     return res
 
 
@@ -1722,6 +1745,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile": lambda: phase_ours(ckpt, "CA", compile=True),
         "prefix": lambda: phase_prefix(ckpt),
         "prefix-noise": lambda: phase_prefix_noise(ckpt),
+        "prefix-interleaved": lambda: phase_prefix_interleaved(ckpt),
         "fp8": lambda: phase_fp8(ckpt, out),
         "structured": lambda: phase_structured(ckpt),
         "tp1": lambda: phase_ours(ckpt, "CA"),

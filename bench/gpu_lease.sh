@@ -261,6 +261,16 @@ plan_r10c() {
   bench decode-kernels-int4 120 decode-kernels-int4
 }
 
+# Issue 23, r11: prefix caching's cost at a 0% hit rate, per engine (as in e13) and in
+# one engine with the runs interleaved, after the scheduler stopped slicing every
+# sequence's hash list on every step.
+plan_r11() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  bench prefix-noise 240 prefix-noise
+  bench prefix-interleaved 240 prefix-interleaved
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

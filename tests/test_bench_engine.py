@@ -175,6 +175,37 @@ def test_prefix_phase_measures_caching_off_and_on(
     assert res["shared_prefix_on"]["output_tokens"] == 8 * 3
 
 
+def test_prefix_interleaved_phase_switches_caching_between_runs_of_one_engine(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvscale.server import LLM
+
+    engines: list[LLM] = []
+
+    def make(ckpt: Path, **kw: object) -> LLM:
+        engines.append(LLM(str(ckpt), device="cpu", num_kv_blocks=128, **kw))  # type: ignore[arg-type]
+        return engines[-1]
+
+    cached_after: list[int] = []
+    offline = eb._offline
+
+    def recorded(llm: LLM, *a: object) -> dict:
+        res = offline(llm, *a)
+        cached_after.append(len(llm.engine.block_manager.cached))
+        return res
+
+    monkeypatch.setattr(eb, "A_SHAPE", (4, 40, 3))
+    monkeypatch.setattr(eb, "_llm", make)
+    monkeypatch.setattr(eb, "_offline", recorded)
+    res = eb.phase_prefix_interleaved(llama_ckpt)
+    assert len(engines) == 1
+    assert len(res["off"]["runs"]) == len(res["on"]["runs"]) == eb.PREFIX_REPEATS
+    # warm-up (on), then off, on, off, on, ...: only the "on" runs register blocks
+    # (4 prompts of 40 tokens + 3 outputs: 2 full blocks each)
+    assert cached_after == [8] + [0, 8] * eb.PREFIX_REPEATS
+    assert res["on_vs_off"] == pytest.approx(res["on"]["mean"] / res["off"]["mean"] - 1)
+
+
 def test_structured_phase_measures_constrained_fractions(
     llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -142,9 +142,12 @@ class Scheduler:
 
     def _commit(self, seq: Sequence, num_tokens: int) -> None:
         """Registers the full, final blocks among ``seq``'s first ``num_tokens`` tokens."""
-        if not self.blocks.enable_caching:
+        full = num_tokens // self.blocks.block_size
+        # most steps complete no block: nothing to hash or slice (a decode step at batch
+        # 256 would otherwise copy every sequence's hash list)
+        if not self.blocks.enable_caching or full <= seq.num_committed_blocks:
             return
-        hashes = self._hashes(seq, num_tokens)[: num_tokens // self.blocks.block_size]
+        hashes = self._hashes(seq, num_tokens)[:full]
         if len(hashes) > seq.num_committed_blocks:
             self.blocks.commit(seq.block_table, hashes, seq.num_committed_blocks)
             seq.num_committed_blocks = len(hashes)
