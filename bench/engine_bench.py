@@ -112,6 +112,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "prefix",
     "prefix-noise",
     "prefix-interleaved",
+    "prefix-noise-reversed",
     "fp8",
     "structured",
     "piecewise",
@@ -884,13 +885,15 @@ def phase_prefix(ckpt: Path, **kw: Any) -> dict[str, Any]:
 PREFIX_REPEATS = 3
 
 
-def phase_prefix_noise(ckpt: Path, **kw: Any) -> dict[str, Any]:
+def phase_prefix_noise(
+    ckpt: Path, order: tuple[bool, ...] = (False, True), **kw: Any
+) -> dict[str, Any]:
     """Prefix caching's cost at a 0% hit rate against run-to-run noise: workload A
-    ``PREFIX_REPEATS`` times with caching off, then on (one engine each), each run's
-    output tok/s."""
+    ``PREFIX_REPEATS`` times with caching off, then on (``order``), one engine each,
+    each run's output tok/s."""
     res: dict[str, Any] = {}
     a_n, a_in, a_out = A_SHAPE
-    for caching in (False, True):
+    for caching in order:
         llm = _llm(ckpt, enable_prefix_caching=caching, **kw)
         runs = [
             _offline(llm, _prompts(a_n, a_in, 1 + r), [a_out] * a_n)["output_tok_per_s"]
@@ -1746,6 +1749,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefix": lambda: phase_prefix(ckpt),
         "prefix-noise": lambda: phase_prefix_noise(ckpt),
         "prefix-interleaved": lambda: phase_prefix_interleaved(ckpt),
+        "prefix-noise-reversed": lambda: phase_prefix_noise(ckpt, order=(True, False)),
         "fp8": lambda: phase_fp8(ckpt, out),
         "structured": lambda: phase_structured(ckpt),
         "tp1": lambda: phase_ours(ckpt, "CA"),

@@ -271,6 +271,12 @@ plan_r11() {
   bench prefix-interleaved 240 prefix-interleaved
 }
 
+# r11b: the per-engine comparison with the engines in the other order (caching on first)
+plan_r11b() {
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  bench prefix-noise-reversed 240 prefix-noise-reversed
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
