@@ -25,10 +25,10 @@ nibbles of each word into a ``[BLOCK_K, BLOCK_N]`` tile, applies the group's zer
 and scale, rounds to the activation dtype and feeds ``tl.dot``. Decode-sized batches use
 split-K (each program sums a slice of K into an fp32 partial; the last program of each
 output tile to finish adds the slices and casts), so that a few output tiles still
-occupy every SM; prefill-sized batches use larger tiles and no split. A single row (batch-1 decode) with whole groups
-per K tile takes a GEMV kernel instead: no ``tl.dot`` (whose 16-row minimum would waste
-15 of 16 rows), each program multiplying codes by the activations and reducing over K,
-with one scale and zero point per column and tile:
+occupy every SM; prefill-sized batches use larger tiles and no split. A single row
+(batch-1 decode) with whole groups per K tile takes a GEMV kernel instead: no ``tl.dot``
+(whose 16-row minimum would waste 15 of 16 rows), each program multiplying codes by the
+activations and reducing over K, with one scale and zero point per column and tile:
 ``sum_k (c s + z') x = s sum_k c x + z' sum_k x``. :func:`w4a16_config` picks the kernel,
 tiles and splits.
 """
