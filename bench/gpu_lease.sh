@@ -247,7 +247,8 @@ plan_r10() {
 
 # r10b: a second GEMV (GEMV 2: first unpacking by nibble, then, in r10b's second call,
 # prefetching the next tile) beside r10's (GEMV 1): kernel tests natively and the sweep,
-# which picks the default for r10c (the engine's int4 C).
+# which picks the default for r10c (the engine's int4 C). Both GEMV 2 variants were removed
+# after r10b; the plan now sweeps the one GEMV.
 plan_r10b() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
