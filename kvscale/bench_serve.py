@@ -45,6 +45,11 @@ SHAREGPT_SIGMA = 0.9  # log-normal shape: a long tail, as in real conversations
 SHAREGPT_MAX_LEN = 1024  # each of input and output is clipped to [4, this]
 MIN_LEN = 4
 TOKEN_ID_RANGE = (100, 5000)  # prompt token ids are drawn from here (valid in any real vocab)
+# Pooled connections idle longer than this are not reused: below the 5 s after which
+# uvicorn-based servers (kvscale serve, vLLM, SGLang) close them. aiohttp's default (15 s)
+# let a busy client send a request on a connection the server had just closed, which
+# failed it ("Server disconnected").
+CLIENT_KEEPALIVE_S = 4.0
 
 
 @dataclass
@@ -355,7 +360,7 @@ def client_session(max_connections: int, timeout_s: float) -> Any:
     import aiohttp
 
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections),
+        connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=CLIENT_KEEPALIVE_S),
         timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0),
     )
 

@@ -15,6 +15,10 @@ log = logging.getLogger("kvscale.server")
 
 API_KEY_ENV = "KVSCALE_API_KEY"
 GRACEFUL_CLOSE_S = 3.0  # after the drain: how long uvicorn waits for connections to close
+# An idle keep-alive connection is closed after this many seconds (uvicorn's default, as in
+# vLLM and SGLang). A pooling client must drop idle connections sooner, or it can send a
+# request on one the server is closing (kvscale.bench_serve.CLIENT_KEEPALIVE_S).
+KEEP_ALIVE_S = 5
 
 
 class UsageError(ValueError):
@@ -124,6 +128,7 @@ def run_server(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=int(GRACEFUL_CLOSE_S),
+        timeout_keep_alive=KEEP_ALIVE_S,
         access_log=not args.disable_access_log,
         http=limited_protocol(
             args.max_header_bytes, args.request_read_timeout, args.request_read_timeout

@@ -370,6 +370,7 @@ class RequestRecord:
     end: float
     ok: bool
     endpoint: str
+    error: str | None = None  # the benchmark client's reason, for a failed request
 
 
 @dataclass
@@ -416,7 +417,9 @@ class LoadDriver:
                         res = await bench_serve.send_request(client, base, self.model, req, None)
                     finally:
                         self.in_flight -= 1
-                    self.records.append(RequestRecord(start, time.time(), res.success, base))
+                    self.records.append(
+                        RequestRecord(start, time.time(), res.success, base, res.error)
+                    )
 
             users = [asyncio.create_task(user(u)) for u in range(self.concurrency)]
             await asyncio.wait_for(asyncio.gather(*users), duration_s + drain_timeout_s)

@@ -213,6 +213,9 @@ def run_scenario(
         "drained": drained,
         "samples": recorder.samples,
         "requests": [[r.start, r.end, r.ok] for r in load.records],
+        "request_errors": [
+            f"{r.start:.3f} {r.endpoint}: {r.error}" for r in load.records if not r.ok
+        ],
         "events": events,
         "kubelet_errors": kubelet.errors,
         "operator_log_errors": [

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,66 @@ def test_multi_turn_workload_resends_the_conversation_after_the_last_turn() -> N
                 assert r.after is None
     with pytest.raises(ValueError):
         make_multi_turn_requests(0, 3, 5, 4, seed=0)
+
+
+def test_the_client_drops_idle_connections_before_the_server_closes_them() -> None:
+    """A busy client (its event loop blocked while the server's keep-alive ran out) must
+    not send its next request on the connection the server closed: the benchmark client's
+    pool expires idle connections first. aiohttp's default pool, the control, fails it
+    (a POST, which aiohttp does not retry)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import aiohttp
+    import uvicorn
+
+    from kvscale.bench_serve import client_session
+    from kvscale.server.api.launcher import KEEP_ALIVE_S
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, timeout_keep_alive=KEEP_ALIVE_S, log_level="error"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}/"
+
+        def idle_then_post(ours: bool) -> str:
+            """A request, an idle spell that the server's keep-alive ends while the
+            client's loop is busy, then a request on the pool: its outcome."""
+
+            async def main() -> str:
+                async with (
+                    client_session(4, 30.0)
+                    if ours
+                    else aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4))
+                ) as s:
+                    async with s.post(url, data=b"{}") as r:
+                        assert await r.read() == b"ok"
+                    await asyncio.sleep(KEEP_ALIVE_S - 0.2)
+                    time.sleep(0.4)  # busy: no loop pass sees the server's close
+                    try:
+                        async with s.post(url, data=b"{}") as r:
+                            return (await r.read()).decode()
+                    except aiohttp.ClientError as e:
+                        return type(e).__name__
+
+            return asyncio.run(main())
+
+        with ThreadPoolExecutor(2) as pool:  # side by side: one idle spell for both
+            outcomes = list(pool.map(idle_then_post, (True, False)))
+        assert outcomes == ["ok", "ServerDisconnectedError"]
+    finally:
+        server.should_exit = True
+        thread.join(10)
