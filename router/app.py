@@ -55,6 +55,9 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+# Idle upstream connections are dropped after this many seconds, before the replicas'
+# keep-alive (5 s in uvicorn, kvscale serve and vLLM) closes them under a request.
+UPSTREAM_KEEPALIVE_S = 4.0
 # Failures of an attempt that sent nothing back: safe to send the request elsewhere.
 # (A refused connection also takes the replica out of the rotation until /ready says 200.)
 BEFORE_FIRST_BYTE = (
@@ -114,7 +117,11 @@ class RouterApp:
     async def startup(self) -> None:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=self.s.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=256,
+                keepalive_expiry=UPSTREAM_KEEPALIVE_S,
+            ),
         )
         self._tasks = [
             asyncio.create_task(self.source.run(self.pool.update)),
