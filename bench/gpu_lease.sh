@@ -278,6 +278,19 @@ plan_r11b() {
   bench prefix-noise-reversed 240 prefix-noise-reversed
 }
 
+# Issue 23, r12: the GPU checks still owed to the code as it stands: the int4 kernels and
+# engine after the in-kernel split-K sum, the n-gram kernel after its shared argument
+# check, speculative decoding after `Speculator.follows_verify`, and the sidecar's round
+# trip on this host.
+plan_r12() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step tests-kernels 200 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_w4a16.py \
+    tests/kernels/test_ngram_match.py
+  step tests-gpu 330 "${pt[@]}" -s tests/gpu/test_int4_cuda.py tests/gpu/test_spec_cuda.py \
+    tests/gpu/test_draft_cuda.py
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
