@@ -291,6 +291,17 @@ plan_r12() {
     tests/gpu/test_draft_cuda.py
 }
 
+# r12b: the sidecar's round trip beyond its model on this host, with a CPU stand-in for
+# the draft (bench/profile_sidecar.py), beside the real bf16 GPU draft's (the GPU test).
+plan_r12b() {
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step profile-sidecar 120 python3 bench/profile_sidecar.py --model-ms 0,7.8,0,7.8
+  step profile-sidecar-cuda 60 python3 bench/profile_sidecar.py --model-ms 7.8 --cuda
+  step profile-sidecar-prof 60 python3 bench/profile_sidecar.py --model-ms 7.8 --profile
+  step tests-sidecar 120 "${pt[@]}" -s \
+    tests/gpu/test_draft_cuda.py::test_sidecar_on_cuda_round_trip
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

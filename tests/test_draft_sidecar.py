@@ -7,6 +7,7 @@ restart, another tokenizer refused)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -605,6 +606,27 @@ def test_sidecar_round_trip_overhead_beyond_a_stand_in_model(sock_dir: Path) -> 
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_profile_script_splits_the_round_trip() -> None:
+    """bench/profile_sidecar.py (run on the GPU hosts, whose CPUs differ): one line a
+    model time, the stand-in's busy time seen as the model's, and the client's profile."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "profile_sidecar.py"
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script), "--model-ms", "0,2", "--steps", "40", "--profile"],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    nums = r"(\d+\.\d+)"
+    pattern = (
+        rf"model (\S+) ms: round trip {nums} ms, model {nums}, beyond the model {nums} "
+        rf"\(budget 0.3\): the client's own work {nums}, the rest (-?\d+\.\d+) \(medians of 30"
+    )
+    found = re.findall(pattern, out)
+    assert [m[0] for m in found] == ["0", "2"], out
+    for ms, total, model, beyond, own, _ in (tuple(map(float, m)) for m in found):
+        assert model >= ms and total > model and 0 < own <= beyond
+    assert "spin_until_readable" in out  # the client's profile
 
 
 def test_the_client_polls_through_the_drafts_compute_time(
