@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscale.server.engine.sequence import Sequence, SequenceStatus
-from kvscale.server.spec_decode.proposer import DraftRequest, Proposer
+from kvscale.server.spec_decode.proposer import DraftRequest, Proposer, VerifyFollower
 
 PAUSE_BELOW = 0.15  # moving acceptance rate under which a sequence pauses drafting
 PAUSE_STEPS = 16
@@ -108,8 +108,8 @@ class Speculator:
         self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats(accepted_per_pos=[0] * k)
         self.propose_s = 0.0  # wall time in the proposer's host calls (seconds, cumulative)
-        # the proposer drafts right after a verify step, on the device (VerifyFollower)
-        self.follows_verify = hasattr(proposer, "after_verify")
+        # the proposer drafts right after a verify step, on the device
+        self.follows_verify = isinstance(proposer, VerifyFollower)
 
     def active(self, num_running: int) -> bool:
         """Whether this step speculates (the batch is small enough)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -65,6 +65,7 @@ class Proposer(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
 class VerifyFollower(Protocol):
     """What a proposer adds to draft the next step on the device, right after a verify
     step's rejection sampler (the device n-gram proposer): the engine stages the verify
