@@ -21,7 +21,7 @@ KERNEL_TESTS = ROOT / "tests" / "kernels"
 FIRST_HALF = ("test_w4a16.py", "test_elementwise.py", "test_fp8_kv.py", "test_fp8_gemm.py")
 
 
-def test_kernel_tests_pass_under_triton_interpreter() -> None:
+def test_kernel_tests_pass_under_triton_interpreter(tmp_path: Path) -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", KVSCALE_KERNEL_TESTS="1", PYTHONSAFEPATH="1")
     files = sorted(p.name for p in KERNEL_TESTS.glob("test_*.py"))
@@ -30,21 +30,31 @@ def test_kernel_tests_pass_under_triton_interpreter() -> None:
         [f for f in files if f not in FIRST_HALF],
     ]
     assert all(halves), halves
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-            + [f"tests/kernels/{f}" for f in half],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for half in halves
-    ]
-    for proc, half in zip(procs, halves, strict=True):
-        output, _ = proc.communicate(timeout=1200)
+    logs = [tmp_path / f"kernel-tests-{i}.log" for i in range(len(halves))]
+    procs = []
+    try:
+        for half, log in zip(halves, logs, strict=True):
+            with open(log, "wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+                        + [f"tests/kernels/{f}" for f in half],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        for proc in procs:
+            proc.wait(timeout=1200)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, half, log in zip(procs, halves, logs, strict=True):
+        output = log.read_text(errors="replace")
         assert proc.returncode == 0, (
-            f"kernel tests {half} failed (rc={proc.returncode}):\n" + (output[-20000:])
+            f"kernel tests {half} failed (rc={proc.returncode}):\n" + output[-20000:]
         )
         assert " passed" in output, output[-5000:]
