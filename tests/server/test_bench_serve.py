@@ -224,8 +224,8 @@ def test_the_client_drops_idle_connections_before_the_server_closes_them() -> No
                 ) as s:
                     async with s.post(url, data=b"{}") as r:
                         assert await r.read() == b"ok"
-                    await asyncio.sleep(KEEP_ALIVE_S - 0.2)
-                    time.sleep(0.4)  # busy: no loop pass sees the server's close
+                    await asyncio.sleep(KEEP_ALIVE_S - 0.5)
+                    time.sleep(1.0)  # busy: no loop pass sees the server's close
                     try:
                         async with s.post(url, data=b"{}") as r:
                             return (await r.read()).decode()
