@@ -18,6 +18,9 @@ from kvscale.server.config import EngineConfig
 from kvscale.server.spec_decode.draft_runner import (
     DRAFT_GRAPH_MAX_BATCH,
     DraftRunner,
+    _DecodeRows,
+    _Row,
+    _Seq,
     draft_engine_config,
     draft_uniform,
 )
@@ -26,6 +29,7 @@ from kvscale.server.spec_decode.tokenizer_check import (
     check_same_tokenizer,
     tokenizer_fingerprint,
 )
+from kvscale.server.worker.step import as_decode_rows
 from tests.draft_helpers import rows, swap_two_tokens
 
 PROMPTS = [
@@ -285,3 +289,54 @@ def test_held_prefix_len_trusts_accepted_tokens_and_checks_replacement() -> None
     assert held_prefix_len(held, [1, 2], 4) == 2
     assert held_prefix_len([], [1, 2], 0) == 0
     assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_decode_step_arrays_match_a_row_by_row_layout() -> None:
+    """The one-token decode steps' inputs, built once a call as arrays (``_DecodeRows``),
+    equal a row-by-row construction, for rows of different lengths, tables and
+    temperatures, and padding them to a graph's rows leaves the cached tables alone."""
+    rng = np.random.default_rng(0)
+    bs = 16
+    rows = []
+    for i in range(7):
+        n = int(rng.integers(1, 90))
+        table = rng.permutation(200)[: -(-(n + 4) // bs)].tolist()
+        seq = _Seq([], n, table, n - 1, 0)
+        rows.append(_Row(i, seq, n, 4, [0.0, 0.7][i % 2], None))
+    active = (0, 2, 3, 6)
+    dec = _DecodeRows.of(rows, active)
+    for j in (1, 2, 3):
+        got = dec.arrays(j, bs)
+        pos = [rows[i].n + j - 1 for i in active]
+        width = max(len(rows[i].seq.table) for i in active)
+        want = {
+            "ids": [-(i + 1) for i in active],
+            "positions": pos,
+            "slots": [
+                rows[i].seq.table[p // bs] * bs + p % bs for i, p in zip(active, pos, strict=True)
+            ],
+            "seq_lens": [p + 1 for p in pos],
+            "q_start": list(range(len(active) + 1)),
+            "tables": [rows[i].seq.table + [0] * (width - len(rows[i].seq.table)) for i in active],
+            "logits_idx": list(range(len(active))),
+            "draft_rows": list(active),
+            "draft_temp": [rows[i].temperature or 1.0 for i in active],
+            "draft_greedy": [rows[i].temperature == 0 for i in active],
+        }
+        assert got.keys() == want.keys()
+        for name, values in want.items():
+            assert np.allclose(got[name], np.array(values)), (name, j)
+            assert got[name].shape == np.array(values).shape, (name, j)
+        dtypes = {k: v.dtype.name for k, v in got.items()}
+        assert dtypes == {
+            "ids": "int64", "positions": "int64", "slots": "int64", "seq_lens": "int32",
+            "q_start": "int32", "tables": "int32", "logits_idx": "int64", "draft_rows": "int64",
+            "draft_temp": "float32", "draft_greedy": "bool",
+        }  # fmt: skip
+    tables = dec.tables.copy()
+    padded = dec.arrays(1, bs)
+    assert as_decode_rows(padded, len(active), 8) == len(active)
+    assert (
+        padded["tables"].shape == (8, tables.shape[1]) and padded["slots"][4:].tolist() == [-1] * 4
+    )
+    assert np.array_equal(dec.tables, tables)

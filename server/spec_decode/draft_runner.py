@@ -74,6 +74,56 @@ class _Row:
     seed: int | None  # reduced mod 2**64
 
 
+@dataclass
+class _DecodeRows:
+    """The rows of a call's one-token decode steps, as arrays (their block tables do not
+    change within a call: ``_plan`` allocated room for every draft)."""
+
+    rows: list[_Row]
+    idx: np.ndarray  # [S] int64: the rows' indices in the call
+    n: np.ndarray  # [S] int64: their token counts
+    tables: np.ndarray  # [S, W] int32, zero-padded
+    temp: np.ndarray  # [S] float32: temperature, 1 for greedy rows
+    greedy: np.ndarray  # [S] bool
+
+    @staticmethod
+    def of(rows: list[_Row], active: tuple[int, ...]) -> _DecodeRows:
+        chosen = [rows[i] for i in active]
+        s = len(chosen)
+        width = max(len(r.seq.table) for r in chosen)
+        tables = np.zeros((s, width), dtype=np.int32)
+        for t, r in enumerate(chosen):
+            tables[t, : len(r.seq.table)] = r.seq.table
+        return _DecodeRows(
+            chosen,
+            np.array(active, dtype=np.int64),
+            np.fromiter((r.n for r in chosen), np.int64, s),
+            tables,
+            np.array([max(r.temperature, 0.0) or 1.0 for r in chosen], dtype=np.float32),
+            np.array([r.temperature <= 0 for r in chosen], dtype=bool),
+        )
+
+    def arrays(self, j: int, block_size: int) -> dict[str, np.ndarray]:
+        """The step that feeds draft ``j - 1`` of each row (a placeholder: the worker's
+        ``last_tokens``, see ``_draw``) at position ``n + j - 1``; ``draft_u`` is left to
+        the caller."""
+        s = len(self.idx)
+        positions = self.n + (j - 1)
+        slots = self.tables[np.arange(s), positions // block_size].astype(np.int64)
+        return {
+            "ids": -(self.idx + 1),
+            "positions": positions,
+            "slots": slots * block_size + positions % block_size,
+            "seq_lens": (positions + 1).astype(np.int32),
+            "q_start": np.arange(s + 1, dtype=np.int32),
+            "tables": self.tables,
+            "logits_idx": np.arange(s, dtype=np.int64),
+            "draft_rows": self.idx,
+            "draft_temp": self.temp,
+            "draft_greedy": self.greedy,
+        }
+
+
 def draft_uniform(seed: int, num_tokens: int, j: int) -> float:
     """The uniform in [0, 1) that draft ``j`` (0-based) of a request seeded with ``seed``
     with ``num_tokens`` accepted tokens inverts its CDF at."""
@@ -348,10 +398,14 @@ class DraftRunner:
         self._q_ids = torch.zeros(p, k, m, dtype=torch.long, device=dev)
         self._q_probs = torch.zeros(p, k, m, dtype=torch.float32, device=dev)
         self._catch_up(rows, want_q)
+        batches: dict[tuple[int, ...], _DecodeRows] = {}
         for j in range(1, k):
             active = [i for i, r in enumerate(rows) if r.k > j]
             for lo in range(0, len(active), self.max_step_tokens):
-                self._decode(rows, active[lo : lo + self.max_step_tokens], j, want_q)
+                part = tuple(active[lo : lo + self.max_step_tokens])
+                if part not in batches:  # the same rows step after step: built once
+                    batches[part] = _DecodeRows.of(rows, part)
+                self._decode(batches[part], j, want_q)
         tokens = self._tokens.cpu().numpy()
         q_ids = self._q_ids.to(torch.int32).cpu().numpy() if want_q else None
         q_probs = self._q_probs.cpu().numpy() if want_q else None
@@ -388,11 +442,18 @@ class DraftRunner:
         if segs:
             self._run(rows, segs, 0, want_q)
 
-    def _decode(self, rows: list[_Row], active: list[int], j: int, want_q: bool) -> None:
+    def _decode(self, active: _DecodeRows, j: int, want_q: bool) -> None:
         """One token per active row: draft ``j - 1`` (a placeholder for row i's slot of
         the worker's ``last_tokens``) at position ``n + j - 1``; draws draft ``j``."""
-        segs = [(i, rows[i].n + j - 1, rows[i].n + j) for i in active]
-        self._run(rows, segs, j, want_q, placeholders=True)
+        arrays = active.arrays(j, self.block_size)
+        arrays["draft_u"] = self._uniforms(active.rows, j)
+        s = len(active.idx)
+        step = StepInput(arrays, s, 1, int(active.n.max()) + j)
+        graph = self.worker.decode_graph_size(s)
+        if graph:  # already one row per token: only the padding to the graph's rows
+            as_decode_rows(arrays, s, graph)
+            step.graph_size = graph
+        self._forward(step, j, want_q)
 
     def _run(
         self,
@@ -400,7 +461,6 @@ class DraftRunner:
         segs: list[tuple[int, int, int]],
         j: int,
         want_q: bool,
-        placeholders: bool = False,
     ) -> None:
         """One forward over ``segs`` (row index, first position, end position), then
         draft ``j`` of the rows whose segment ends at their last fed position."""
@@ -421,10 +481,7 @@ class DraftRunner:
             table = rows[i].seq.table
             tables[n, : len(table)] = table
         slots = tables[seg_of, positions // bs].astype(np.int64) * bs + positions % bs
-        if placeholders:  # draft j - 1 of row i is in last_tokens[i] (see _draw)
-            ids = -(idx + 1)
-        else:
-            ids = np.concatenate([rows[i].seq.tokens[a:b] for i, a, b in segs], dtype=np.int64)
+        ids = np.concatenate([rows[i].seq.tokens[a:b] for i, a, b in segs], dtype=np.int64)
         last = np.array([b == rows[i].n + j for i, _, b in segs], dtype=bool)
         sampled = idx[last]
         arrays = {
@@ -449,8 +506,12 @@ class DraftRunner:
         if graph:  # one row per token, replayed from the decode graph of ``graph`` rows
             step.num_seqs = as_decode_rows(arrays, s, graph)
             step.max_query_len, step.graph_size = 1, graph
+        self._forward(step, j, want_q)
+
+    def _forward(self, step: StepInput, j: int, want_q: bool) -> None:
+        """The step's forward, then draft ``j`` of its ``draft_rows``."""
         fwd = self.worker.forward(step)
-        if len(sampled):
+        if len(step.arrays["draft_rows"]):
             self._draw(fwd.logits, fwd.dev, j, want_q)
 
     def _uniforms(self, rows: list[_Row], j: int) -> np.ndarray:
