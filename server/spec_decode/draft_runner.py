@@ -105,8 +105,8 @@ class _DecodeRows:
 
     def arrays(self, j: int, block_size: int) -> dict[str, np.ndarray]:
         """The step that feeds draft ``j - 1`` of each row (a placeholder: the worker's
-        ``last_tokens``, see ``_draw``) at position ``n + j - 1``; ``draft_u`` is left to
-        the caller."""
+        ``last_tokens``, see ``_draw``) at position ``n + j - 1``; what sampled draws
+        need (``draft_u``, ``draft_temp``, ``draft_greedy``) is left to the caller."""
         s = len(self.idx)
         positions = self.n + (j - 1)
         slots = self.tables[np.arange(s), positions // block_size].astype(np.int64)
@@ -119,8 +119,6 @@ class _DecodeRows:
             "tables": self.tables,
             "logits_idx": np.arange(s, dtype=np.int64),
             "draft_rows": self.idx,
-            "draft_temp": self.temp,
-            "draft_greedy": self.greedy,
         }
 
 
@@ -446,7 +444,9 @@ class DraftRunner:
         """One token per active row: draft ``j - 1`` (a placeholder for row i's slot of
         the worker's ``last_tokens``) at position ``n + j - 1``; draws draft ``j``."""
         arrays = active.arrays(j, self.block_size)
-        arrays["draft_u"] = self._uniforms(active.rows, j)
+        if want_q:
+            arrays["draft_u"] = self._uniforms(active.rows, j)
+            arrays["draft_temp"], arrays["draft_greedy"] = active.temp, active.greedy
         s = len(active.idx)
         step = StepInput(arrays, s, 1, int(active.n.max()) + j)
         graph = self.worker.decode_graph_size(s)
@@ -493,14 +493,14 @@ class DraftRunner:
             "tables": tables,
             "logits_idx": (q_start[1:][last] - 1).astype(np.int64),
             "draft_rows": sampled,
-            "draft_u": self._uniforms([rows[i] for i in sampled.tolist()], j),
-            "draft_temp": np.array(
-                [max(rows[i].temperature, 0.0) or 1.0 for i in sampled.tolist()], dtype=np.float32
-            ),
-            "draft_greedy": np.array(
-                [rows[i].temperature <= 0 for i in sampled.tolist()], dtype=bool
-            ),
         }
+        if want_q:  # what sampled draws need (greedy calls take the argmax only)
+            drawn = [rows[i] for i in sampled.tolist()]
+            arrays["draft_u"] = self._uniforms(drawn, j)
+            arrays["draft_temp"] = np.array(
+                [max(r.temperature, 0.0) or 1.0 for r in drawn], dtype=np.float32
+            )
+            arrays["draft_greedy"] = np.array([r.temperature <= 0 for r in drawn], dtype=bool)
         step = StepInput(arrays, s, int(length.max()), int(end.max()))
         graph = self.worker.decode_graph_size(total)
         if graph:  # one row per token, replayed from the decode graph of ``graph`` rows
@@ -516,7 +516,7 @@ class DraftRunner:
 
     def _uniforms(self, rows: list[_Row], j: int) -> np.ndarray:
         """One uniform per row for draft ``j``: hashed from a seeded request's seed, else
-        from the runner's stream."""
+        from the runner's stream (drawn from only by calls that sample)."""
         u = self._rng.integers(0, 1 << _U_BITS, size=len(rows)) / float(1 << _U_BITS)
         for n, r in enumerate(rows):
             if r.seed is not None:
