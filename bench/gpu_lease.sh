@@ -302,6 +302,19 @@ plan_r12b() {
     tests/gpu/test_draft_cuda.py::test_sidecar_on_cuda_round_trip
 }
 
+# Next single-GPU lease (e22): the draft runner's new decode-step layout on CUDA: its
+# GPU tests, its host time around the forwards, and the draft pair's batch-1 speed.
+plan_r13() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-draft 200 "${pt[@]}" -s tests/gpu/test_draft_cuda.py tests/gpu/test_spec_cuda.py
+  wait
+  step profile-draft 120 python3 bench/profile_draft_runner.py --device cuda
+  step profile-spec 240 python3 bench/profile_spec.py --ckpt "$CKPT" --configs none,draft
+  bench spec 420 spec
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -4,6 +4,7 @@ report their exact q, seeded drafts reproduce, and the tokenizer check."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -339,3 +340,24 @@ def test_decode_step_arrays_match_a_row_by_row_layout() -> None:
         padded["tables"].shape == (8, tables.shape[1]) and padded["slots"][4:].tolist() == [-1] * 4
     )
     assert np.array_equal(dec.tables, tables)
+
+
+def test_the_host_time_script_runs_the_runner() -> None:
+    """bench/profile_draft_runner.py on the CPU: one line a batch, its three medians."""
+    import re
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "profile_draft_runner.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--batch", "1,3", "--calls", "36"],
+        capture_output=True, text=True, timeout=300, check=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1"},
+    ).stdout  # fmt: skip
+    lines = re.findall(
+        r"batch (\d+), k=4: propose -> first forward (\d+) us; last forward -> return (\d+) us;"
+        r" a decode step's host work before its forward (\d+) us \(medians of 6 calls\)",
+        out,
+    )
+    assert [line[0] for line in lines] == ["1", "3"], out
+    assert all(int(v) > 0 for line in lines for v in line[1:])
