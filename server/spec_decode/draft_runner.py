@@ -74,6 +74,21 @@ class _Row:
     seed: int | None  # reduced mod 2**64
 
 
+def _block_tables(rows: list[_Row]) -> np.ndarray:
+    """The rows' block tables, int32 ``[len(rows), longest]``, zero-padded."""
+    tables = np.zeros((len(rows), max(len(r.seq.table) for r in rows)), dtype=np.int32)
+    for t, r in enumerate(rows):
+        tables[t, : len(r.seq.table)] = r.seq.table
+    return tables
+
+
+def _draw_params(rows: list[_Row]) -> tuple[np.ndarray, np.ndarray]:
+    """What sampled draws read per row: temperature (float32, 1 for greedy rows) and
+    whether the row is greedy (bool)."""
+    temp = np.array([max(r.temperature, 0.0) or 1.0 for r in rows], dtype=np.float32)
+    return temp, np.array([r.temperature <= 0 for r in rows], dtype=bool)
+
+
 @dataclass
 class _DecodeRows:
     """The rows of a call's one-token decode steps, as arrays (their block tables do not
@@ -89,18 +104,12 @@ class _DecodeRows:
     @staticmethod
     def of(rows: list[_Row], active: tuple[int, ...]) -> _DecodeRows:
         chosen = [rows[i] for i in active]
-        s = len(chosen)
-        width = max(len(r.seq.table) for r in chosen)
-        tables = np.zeros((s, width), dtype=np.int32)
-        for t, r in enumerate(chosen):
-            tables[t, : len(r.seq.table)] = r.seq.table
         return _DecodeRows(
             chosen,
             np.array(active, dtype=np.int64),
-            np.fromiter((r.n for r in chosen), np.int64, s),
-            tables,
-            np.array([max(r.temperature, 0.0) or 1.0 for r in chosen], dtype=np.float32),
-            np.array([r.temperature <= 0 for r in chosen], dtype=bool),
+            np.fromiter((r.n for r in chosen), np.int64, len(chosen)),
+            _block_tables(chosen),
+            *_draw_params(chosen),
         )
 
     def arrays(self, j: int, block_size: int) -> dict[str, np.ndarray]:
@@ -475,11 +484,7 @@ class DraftRunner:
         total = int(q_start[-1])
         seg_of = np.repeat(np.arange(s), length)
         positions = start[seg_of] + np.arange(total) - q_start[seg_of]
-        width = max(len(rows[i].seq.table) for i in idx.tolist())
-        tables = np.zeros((s, width), dtype=np.int32)
-        for n, i in enumerate(idx.tolist()):
-            table = rows[i].seq.table
-            tables[n, : len(table)] = table
+        tables = _block_tables([rows[i] for i in idx.tolist()])
         slots = tables[seg_of, positions // bs].astype(np.int64) * bs + positions % bs
         ids = np.concatenate([rows[i].seq.tokens[a:b] for i, a, b in segs], dtype=np.int64)
         last = np.array([b == rows[i].n + j for i, _, b in segs], dtype=bool)
@@ -497,10 +502,7 @@ class DraftRunner:
         if want_q:  # what sampled draws need (greedy calls take the argmax only)
             drawn = [rows[i] for i in sampled.tolist()]
             arrays["draft_u"] = self._uniforms(drawn, j)
-            arrays["draft_temp"] = np.array(
-                [max(r.temperature, 0.0) or 1.0 for r in drawn], dtype=np.float32
-            )
-            arrays["draft_greedy"] = np.array([r.temperature <= 0 for r in drawn], dtype=bool)
+            arrays["draft_temp"], arrays["draft_greedy"] = _draw_params(drawn)
         step = StepInput(arrays, s, int(length.max()), int(end.max()))
         graph = self.worker.decode_graph_size(total)
         if graph:  # one row per token, replayed from the decode graph of ``graph`` rows
