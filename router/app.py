@@ -152,6 +152,7 @@ class RouterApp:
             ready = len(self.pool.ready())
             resp = JSONResponse({"status": "ready", "replicas_ready": ready, "held": self.held})
         elif path == "/metrics":
+            self.metrics.observe_replicas(self.pool.replicas.values())
             resp = Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
         else:
             await self._proxy(scope, receive, send)

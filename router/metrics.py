@@ -3,7 +3,11 @@ one registry per app, labels ``replica``, ``outcome``, ``reason``, ``kind``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvscale.router.endpoints import Replica
 
 PREFIX = "kvscale_router:"
 
@@ -75,3 +79,25 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.reported = Gauge(
+            PREFIX + "replica_reported_requests",
+            "Requests running or waiting at the replica beyond this router's own, as its "
+            "/metrics last said (other routers' requests): the balancer's load is this plus "
+            "replica_inflight.",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            PREFIX + "replica_kv_cache_usage",
+            "The replica's KV-cache usage (0-1) as its /metrics last said.",
+            ["replica"],
+            registry=r,
+        )
+
+    def observe_replicas(self, replicas: Iterable[Replica]) -> None:
+        """The load the balancer sees, set at scrape time (replicas that left drop out)."""
+        self.reported.clear()
+        self.kv_usage.clear()
+        for x in replicas:
+            self.reported.labels(x.url).set(x.others)
+            self.kv_usage.labels(x.url).set(x.kv_usage)

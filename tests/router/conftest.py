@@ -62,7 +62,8 @@ def start_router(
 
 class Stub:
     """A fake replica on a fixed loopback port, served by uvicorn in a thread: ``/ready``
-    answers 200 or 503 as ``ready`` says, ``/metrics`` nothing, and every other request
+    answers 200 or 503 as ``ready`` says, ``/metrics`` ``metrics_text``, and every other
+    request
     ``{"stub": port}`` (counted in ``hits``). ``stop()`` closes the port; ``start()``
     opens it again."""
 
@@ -72,6 +73,7 @@ class Stub:
         self.ready = True
         self.draining = False  # answer 503 to requests (while /ready may still say 200)
         self.hits = 0
+        self.metrics_text = ""  # what /metrics answers
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -83,7 +85,7 @@ class Stub:
         if scope["path"] == "/ready":
             resp = JSONResponse({}, 200 if self.ready else 503)
         elif scope["path"] == "/metrics":
-            resp = PlainTextResponse("")
+            resp = PlainTextResponse(self.metrics_text)
         elif self.draining:
             resp = JSONResponse({"error": {"code": "draining"}}, 503)
         else:

@@ -338,6 +338,15 @@ def test_a_draining_replica_gets_nothing_new(cluster: dict[str, Any]) -> None:
         except Exception as e:
             done["error"] = repr(e)
 
+    # The last test's streams ran through another router: this one counts them as load at
+    # their replicas until its next scrape, and a stale load could send the stream past
+    # its home. Wait until it has seen them end.
+    _idle([drained, other])
+    deadline = time.monotonic() + 30
+    seen = "kvscale_router:replica_reported_requests{{replica={}}}"
+    while any(router.metrics()[seen.format(s.url)] for s in (drained, other)):
+        assert time.monotonic() < deadline, "the router still sees the last test's load"
+        time.sleep(0.05)
     key = {"replica": drained.url, "outcome": "2xx"}
     before = rmetric(router.metrics(), "kvscale_router:requests_total", **key)
     t = threading.Thread(target=stream)

@@ -156,3 +156,28 @@ def test_a_body_over_the_limit_gets_413(router: RouterProcess, stubs: list[Stub]
     assert r.status_code == 413
     assert sum(s.hits for s in stubs) == hits
     assert _complete(router).status_code == 200  # small bodies pass
+
+
+def test_the_router_shows_the_load_it_scraped(router: RouterProcess, stubs: list[Stub]) -> None:
+    """The replicas' reported load (running + waiting, KV usage) appears in the router's
+    own /metrics after the next scrape, and follows the replicas' changes."""
+    a, b = stubs
+    key = "kvscale_router:replica_reported_requests"
+    a.metrics_text = (
+        'kvscale:num_requests_running{model_name="m"} 3.0\n'
+        'kvscale:num_requests_waiting{model_name="m"} 2.0\n'
+        'kvscale:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while rmetric(router.metrics(), key, replica=a.url) != 5:
+            assert time.monotonic() < deadline, router.metrics()
+            time.sleep(0.05)
+        m = router.metrics()
+        assert rmetric(m, "kvscale_router:replica_kv_cache_usage", replica=a.url) == 0.5
+        assert f"{key}{{replica={b.url}}}" in m and rmetric(m, key, replica=b.url) == 0
+    finally:
+        a.metrics_text = ""
+    while rmetric(router.metrics(), key, replica=a.url) != 0:
+        assert time.monotonic() < deadline, router.metrics()
+        time.sleep(0.05)
