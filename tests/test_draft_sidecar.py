@@ -539,26 +539,9 @@ def _advance(reqs: list[DraftRequest], p: Proposal, step: int) -> list[DraftRequ
     return out
 
 
-# a sidecar process serving a stand-in draft model (numpy, next tokens): ~0 model time
-_STAND_IN_SIDECAR = """
-import signal, sys, threading
-import numpy as np
-from kvscale.server.spec_decode.draft_sidecar import serve_draft
-from kvscale.server.spec_decode.proposer import Proposal
-
-class NextTokens:
-    max_k, top_m, vocab_size = 4, 0, 32000
-    def propose(self, requests):
-        b, k = len(requests), max(r.k for r in requests)
-        last = np.fromiter((r.token_ids[-1] for r in requests), np.int64, b)
-        return Proposal((last[:, None] + np.arange(1, k + 1)) % 32000, np.full(b, k))
-    def release(self, seq_ids): pass
-    def reset(self): pass
-
-stop = threading.Event()
-signal.signal(signal.SIGTERM, lambda *_: stop.set())
-serve_draft(NextTokens(), sys.argv[1], "fp", stop, lambda: print("ready", flush=True))
-"""
+# a sidecar process serving a stand-in draft model (numpy: the next token ids, a uniform
+# 8-wide q), busy for the given time a step
+PROFILE_SIDECAR = Path(__file__).resolve().parents[1] / "bench" / "profile_sidecar.py"
 
 
 def test_sidecar_round_trip_overhead_beyond_a_stand_in_model(sock_dir: Path) -> None:
@@ -572,11 +555,13 @@ def test_sidecar_round_trip_overhead_beyond_a_stand_in_model(sock_dir: Path) -> 
     sock = str(sock_dir / "stand-in.sock")
     env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", _STAND_IN_SIDECAR, sock], stdout=subprocess.PIPE, env=env
+        [sys.executable, str(PROFILE_SIDECAR), "--serve", sock, "--model-ms", "0"],
+        stdout=subprocess.PIPE,
+        env=env,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        client = SidecarProposer(sock, "fp", timeout_s=10)
+        client = SidecarProposer(sock, "stand-in", timeout_s=10)
         rng = np.random.default_rng(0)
         reqs = [
             DraftRequest(i, [1, *rng.integers(3, 32000, 16).tolist()], 4, 0.8 * (i % 3 > 0))
@@ -611,10 +596,9 @@ def test_sidecar_round_trip_overhead_beyond_a_stand_in_model(sock_dir: Path) -> 
 def test_the_profile_script_splits_the_round_trip() -> None:
     """bench/profile_sidecar.py (run on the GPU hosts, whose CPUs differ): one line a
     model time, the stand-in's busy time seen as the model's, and the client's profile."""
-    script = Path(__file__).resolve().parents[1] / "bench" / "profile_sidecar.py"
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     out = subprocess.run(
-        [sys.executable, str(script), "--model-ms", "0,2", "--steps", "40", "--profile"],
+        [sys.executable, str(PROFILE_SIDECAR), "--model-ms", "0,2", "--steps", "40", "--profile"],
         capture_output=True, text=True, env=env, timeout=120, check=True,
     ).stdout  # fmt: skip
     nums = r"(\d+\.\d+)"
