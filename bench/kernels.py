@@ -79,6 +79,7 @@ TARGETS: dict[str, tuple[str, float, bool]] = {
     "rotary_embedding": (COPY, 0.75, True),
     "silu_and_mul": (COPY, 0.75, True),
     "write_kv_cache": (COPY, 0.75, True),
+    "rope_and_write_kv": (COPY, 0.75, True),
     # 4-bit weights: decode reads ~a quarter of bf16's bytes; prefill dequantizes in
     # registers and should keep most of the bf16 matmul rate
     "w4a16_decode": (COPY, 0.50, True),
@@ -137,6 +138,15 @@ def silu_and_mul_bytes(tokens: int, intermediate: int, elem_bytes: int) -> int:
 def write_kv_cache_bytes(tokens: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """Read new K and V, write them to the cache, read an int64 slot per token."""
     return 4 * tokens * num_kv_heads * head_dim * elem_bytes + 8 * tokens
+
+
+def rope_and_write_kv_bytes(
+    tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int
+) -> int:
+    """Read q, k and v, write the rotated q and the cache's k and v; per token an fp32
+    cos/sin row, an int64 position and an int64 slot."""
+    moved = 2 * tokens * (num_heads + 2 * num_kv_heads) * head_dim * elem_bytes
+    return moved + tokens * (head_dim * 4 + 16)
 
 
 def w4a16_bytes(m: int, k: int, n: int, group: int, zeros: bool, elem_bytes: int = 2) -> int:
@@ -390,7 +400,7 @@ class Bench:
         return make_result("paged_prefill", shape, ms, flops, err, ceilings)
 
     def elementwise(self, ceilings: dict[str, float]) -> list[Result]:
-        from kvscale.kernels import activation, kv_cache, rmsnorm, rotary
+        from kvscale.kernels import activation, kv_cache, rmsnorm, rope_kv_cache, rotary
         from kvscale.kernels.testing import rel_error
 
         t, dev, dtype = ELEMENTWISE_TOKENS, self.device, self.dtype
@@ -477,6 +487,25 @@ class Bench:
                 f"T={t} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={block_size}",
                 ms,
                 write_kv_cache_bytes(t, NUM_KV_HEADS, HEAD_DIM, 2),
+                err,
+                ceilings,
+            )
+        )
+
+        # the two above in one launch (what the Triton attention backend runs)
+        kc2, vc2 = kc.clone(), vc.clone()
+        qf = rope_kv_cache.rope_and_write_kv(pos, q, kn, vn, cache, kc, vc, slots)
+        qr = rope_kv_cache.rope_and_write_kv_ref(pos, q, kn, vn, cache, kc2, vc2, slots)
+        err = max(rel_error(qf, qr), rel_error(kc, kc2), rel_error(vc, vc2))
+        ms = self.time_ms(
+            lambda: rope_kv_cache.rope_and_write_kv(pos, q, kn, vn, cache, kc, vc, slots)
+        )
+        results.append(
+            make_result(
+                "rope_and_write_kv",
+                f"T={t} Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={block_size}",
+                ms,
+                rope_and_write_kv_bytes(t, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 2),
                 err,
                 ceilings,
             )

@@ -64,7 +64,7 @@ def _write_kv_cache_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(
+def check_shapes(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
@@ -100,7 +100,7 @@ def write_kv_cache(
 ) -> None:
     """Writes ``k[t], v[t]`` to slot ``slot_mapping[t]`` of ``k_cache, v_cache`` (skips < 0);
     an FP8 cache gets ``k / k_scale`` and ``v / v_scale``."""
-    _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_shapes(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     quant = is_fp8(k_cache.dtype)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -147,7 +147,7 @@ def write_kv_cache_ref(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Pure-torch reference of :func:`write_kv_cache`."""
-    _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_shapes(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k.shape[1:]

@@ -24,6 +24,34 @@ from kvscale.kernels._utils import next_power_of_2
 
 
 @triton.jit
+def rotated_halves(
+    x_ptr,
+    t,
+    stride_t,
+    stride_h,
+    num_heads,
+    cos,
+    sin,
+    rot,
+    live,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+):
+    """Token ``t``'s heads of ``x`` as fp32 halves ``[HEADS_PAD, HALF]`` each, rotated by
+    ``cos, sin [HALF]`` where ``rot`` (as loaded otherwise), and the mask of real elements
+    (``live``: the token's row is read at all)."""
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF) & live
+    ptr1 = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = tl.where(rot, x1 * cos[None, :] - x2 * sin[None, :], x1)
+    o2 = tl.where(rot, x2 * cos[None, :] + x1 * sin[None, :], x2)
+    return o1, o2, mask
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     t,
@@ -36,14 +64,11 @@ def _rotate_heads(
     HALF: tl.constexpr,
     HEADS_PAD: tl.constexpr,
 ):
+    o1, o2, mask = rotated_halves(
+        x_ptr, t, stride_t, stride_h, num_heads, cos, sin, ok, ok, HALF, HEADS_PAD
+    )
     offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HALF)
-    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF) & ok
-    ptr1 = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    ptr1 = x_ptr + t * stride_t + offs_h[:, None] * stride_h + tl.arange(0, HALF)[None, :]
     tl.store(ptr1, o1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(ptr1 + HALF, o2.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -79,7 +104,7 @@ def _rotary_kernel(
     _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, cos, sin, ok, HALF, KH_PAD)
 
 
-def _check(
+def check_shapes(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -96,7 +121,7 @@ def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
     """Rotates ``q`` and ``k`` in place by the angles of ``positions`` (see module doc)."""
-    _check(positions, q, k, cos_sin_cache)
+    check_shapes(positions, q, k, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     if head_dim % 2 or next_power_of_2(head_dim // 2) != head_dim // 2:
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 2")
@@ -131,7 +156,7 @@ def rotary_embedding_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
     """Pure-torch reference of :func:`rotary_embedding` (fp32 math, in place)."""
-    _check(positions, q, k, cos_sin_cache)
+    check_shapes(positions, q, k, cos_sin_cache)
     cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     for x in (q, k):

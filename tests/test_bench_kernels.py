@@ -54,6 +54,9 @@ def test_elementwise_bytes(bench: ModuleType) -> None:
     assert bench.silu_and_mul_bytes(t, i, 2) == t * 2 * i * 2 + t * i * 2
     assert bench.rotary_bytes(t, 32, 8, 128, 2) == 2 * t * 40 * 128 * 2 + t * (128 * 4 + 8)
     assert bench.write_kv_cache_bytes(t, 8, 128, 2) == 2 * (2 * t * 8 * 128 * 2) + 8 * t
+    # q, k and v in, rotated q and the cache's k and v out; cos/sin, position, slot
+    fused = 2 * t * 48 * 128 * 2 + t * (128 * 4 + 8 + 8)
+    assert bench.rope_and_write_kv_bytes(t, 32, 8, 128, 2) == fused
     assert bench.copy_bytes(1 << 30) == 2 << 30
     assert bench.matmul_flops(8192, 8192, 8192) == 2 * 8192**3
 

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.layers import ops
 from kvscale.server.worker.kv_pool import LayerKV
 
 
@@ -28,6 +29,24 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> None:
         """Stores ``k, v [T, Hk, D]`` at ``meta.slot_mapping``."""
+
+    def rope_and_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotates ``q [T, Hq, D]`` and ``k`` by ``positions [T]`` (``kernels.rotary``'s
+        layout and maths), stores the rotated k and v (:meth:`write_kv`) and returns the
+        rotated q; the inputs are left as they were. Backends may fuse the two."""
+        q, k = q.clone(), k.clone()
+        ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        self.write_kv(k, v, kv, meta)
+        return q
 
     @abstractmethod
     def attend(

@@ -7,6 +7,7 @@ import torch
 from kvscale.kernels.kv_cache import write_kv_cache
 from kvscale.kernels.paged_decode import paged_decode_attention
 from kvscale.kernels.paged_prefill import paged_prefill_attention
+from kvscale.kernels.rope_kv_cache import rope_and_write_kv
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.metadata import AttentionMetadata
 from kvscale.server.worker.kv_pool import LayerKV
@@ -27,6 +28,30 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
     ) -> None:
         write_kv_cache(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+
+    def rope_and_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One launch for both (``kernels.rope_kv_cache``)."""
+        return rope_and_write_kv(
+            positions,
+            q,
+            k,
+            v,
+            cos_sin_cache,
+            kv.k,
+            kv.v,
+            meta.slot_mapping,
+            kv.k_scale,
+            kv.v_scale,
+        )
 
     def attend(
         self,

@@ -1,9 +1,10 @@
-"""The attention layer: writes new K/V into this layer's paged cache, then attends.
+"""The attention layer: rotates q and k, writes the new K/V into this layer's paged
+cache, then attends.
 
 The layer holds its ``LayerKV`` (bound by the worker's ``KVPool``) and calls the step's
 attention backend (the forward context). Under ``torch.compile`` the call is one opaque
 custom op, ``kvscale::paged_attention``, so that Inductor compiles the rest of each
-layer (norms, projections, rotary, MLP) around it and attention stays on the backend's
+layer (norms, projections, MLP) around it and attention stays on the backend's
 kernels: the op the piecewise backend splits the graph at (``server/compilation``). It
 writes into an output buffer allocated before it (so inside the previous piece, at an
 address a CUDA graph of the next piece can read), and it attends only the step's real
@@ -17,6 +18,7 @@ from torch import nn
 
 from kvscale.server.attention.forward_context import get_forward_context
 from kvscale.server.compilation.direct_calls import register_direct_call
+from kvscale.server.layers.rotary import RotaryEmbedding
 from kvscale.server.worker.kv_pool import LayerKV
 
 
@@ -24,6 +26,8 @@ def paged_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k_scale: torch.Tensor,
@@ -31,15 +35,16 @@ def paged_attention_impl(
     out: torch.Tensor,
     scale: float,
 ) -> None:
-    """``q [T, Hq, D]``, ``k, v [T, Hk, D]`` -> ``out [T, Hq, D]`` through the current step's
-    attention backend and metadata (the forward context). Only the first ``n`` rows
-    (``n = len(slot_mapping)``) are real tokens; the rest pad a captured size."""
+    """``q [T, Hq, D]``, ``k, v [T, Hk, D]`` (not rotated yet), ``positions [T]`` ->
+    ``out [T, Hq, D]`` through the current step's attention backend and metadata (the
+    forward context). Only the first ``n`` rows (``n = len(slot_mapping)``) are real
+    tokens; the rest pad a captured size."""
     ctx = get_forward_context()
     kv = LayerKV(k_cache, v_cache, k_scale, v_scale)
     n = ctx.attn.slot_mapping.shape[0]
     if n < q.shape[0]:
-        q, k, v, out = q[:n], k[:n], v[:n], out[:n]
-    ctx.backend.write_kv(k, v, kv, ctx.attn)
+        q, k, v, positions, out = q[:n], k[:n], v[:n], positions[:n], out[:n]
+    q = ctx.backend.rope_and_write_kv(q, k, v, positions, cos_sin_cache, kv, ctx.attn)
     out.copy_(ctx.backend.attend(q, kv, ctx.attn, scale))
 
 
@@ -55,6 +60,8 @@ def _(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k_scale: torch.Tensor,
@@ -72,7 +79,9 @@ def _load_scalar(param: nn.Parameter, loaded: torch.Tensor, shard: object = None
 
 
 class Attention(nn.Module):
-    """``q [T, Hq*D]``, ``k, v [T, Hk*D]`` -> ``[T, Hq*D]`` (this rank's heads)."""
+    """``q [T, Hq*D]``, ``k, v [T, Hk*D]`` (before the rotary embedding), ``positions [T]``
+    int64 -> ``[T, Hq*D]`` (this rank's heads). The rotary embedding is applied here, with
+    the K/V write, so that a backend can do both in one kernel."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -88,7 +97,14 @@ class Attention(nn.Module):
             p.weight_loader = _load_scalar  # type: ignore[attr-defined]
             self.register_parameter(name, p)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -99,10 +115,22 @@ class Attention(nn.Module):
             # zeros: padding rows stay finite through the layers after attention
             out = torch.zeros_like(q)
             torch.ops.kvscale.paged_attention(
-                q, k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, out, self.scale
+                q,
+                k,
+                v,
+                positions,
+                rotary.cos_sin_cache,
+                kv.k,
+                kv.v,
+                kv.k_scale,
+                kv.v_scale,
+                out,
+                self.scale,
             )
         else:
             ctx = get_forward_context()
-            ctx.backend.write_kv(k, v, kv, ctx.attn)
+            q = ctx.backend.rope_and_write_kv(
+                q, k, v, positions, rotary.cos_sin_cache, kv, ctx.attn
+            )
             out = ctx.backend.attend(q, kv, ctx.attn, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
