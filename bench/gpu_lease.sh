@@ -302,17 +302,31 @@ plan_r12b() {
     tests/gpu/test_draft_cuda.py::test_sidecar_on_cuda_round_trip
 }
 
-# Next single-GPU lease (e22): the draft runner's new decode-step layout on CUDA: its
-# GPU tests, its host time around the forwards, and the draft pair's batch-1 speed.
+# Next single-GPU lease (e22, e23), two calls. r13: the GPU tests owed since r12 (the
+# draft runner's decode-step layout; the fused rotary + KV-write kernel natively and in
+# the engine on CUDA), where a batch-1 decode step's GPU time goes with the fused kernel,
+# C/A/B, and the elementwise kernels. r13b: the draft runner's host time on CUDA and the
+# draft pair's speed.
 plan_r13() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
-  step tests-draft 200 "${pt[@]}" -s tests/gpu/test_draft_cuda.py tests/gpu/test_spec_cuda.py
+  step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_rope_kv_cache.py \
+    tests/kernels/test_elementwise.py tests/kernels/test_kv_cache.py tests/kernels/test_fp8_kv.py
+  step tests-gpu 300 "${pt[@]}" -s tests/gpu/test_engine_cuda.py tests/gpu/test_draft_cuda.py \
+    tests/gpu/test_spec_cuda.py
   wait
+  bench decode-kernels 90 decode-kernels
+  bench ours 150 ours
+  step kernels-elementwise 90 python3 bench/kernels.py --out-dir "$RES" --only elementwise
+}
+
+plan_r13b() {
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
   step profile-draft 120 python3 bench/profile_draft_runner.py --device cuda
-  step profile-spec 240 python3 bench/profile_spec.py --ckpt "$CKPT" --configs none,draft
-  bench spec 420 spec
+  wait
+  step profile-spec 200 python3 bench/profile_spec.py --ckpt "$CKPT" --configs none,draft
+  bench spec 300 spec
 }
 
 case "$1" in
