@@ -313,8 +313,8 @@ plan_r13() {
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
   step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_rope_kv_cache.py \
     tests/kernels/test_elementwise.py tests/kernels/test_kv_cache.py tests/kernels/test_fp8_kv.py
-  step tests-gpu 300 "${pt[@]}" -s tests/gpu/test_engine_cuda.py tests/gpu/test_draft_cuda.py \
-    tests/gpu/test_spec_cuda.py
+  step tests-gpu 360 "${pt[@]}" -s tests/gpu/test_engine_cuda.py tests/gpu/test_draft_cuda.py \
+    tests/gpu/test_spec_cuda.py tests/gpu/test_piecewise_cuda.py
   wait
   bench decode-kernels 90 decode-kernels
   bench ours 150 ours
