@@ -312,7 +312,7 @@ plan_r13() {
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
   step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_rope_kv_cache.py \
-    tests/kernels/test_elementwise.py tests/kernels/test_kv_cache.py tests/kernels/test_fp8_kv.py
+    tests/kernels/test_argmax.py tests/kernels/test_elementwise.py tests/kernels/test_kv_cache.py tests/kernels/test_fp8_kv.py
   step tests-gpu 360 "${pt[@]}" -s tests/gpu/test_engine_cuda.py tests/gpu/test_draft_cuda.py \
     tests/gpu/test_spec_cuda.py tests/gpu/test_piecewise_cuda.py
   wait

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 from kvscale.kernels import activation, fp8, rmsnorm, rotary, w4a16
+from kvscale.kernels import argmax as argmax_kernel
 
 rms_norm = rmsnorm.rms_norm_ref
 fused_add_rms_norm = rmsnorm.fused_add_rms_norm_ref
@@ -23,6 +24,7 @@ silu_and_mul = activation.silu_and_mul_ref
 rotary_embedding = rotary.rotary_embedding_ref
 w4a16_gemm = w4a16.w4a16_gemm_ref
 fp8_quantize_groups = fp8.quantize_groups_ref
+argmax = argmax_kernel.argmax_ref  # over the last dim of [N, V]: greedy tokens
 _kernels = False
 
 
@@ -39,6 +41,7 @@ def use_kernels(enabled: bool) -> bool:
         rotary_embedding=getattr(rotary, "rotary_embedding" + suffix),
         w4a16_gemm=getattr(w4a16, "w4a16_gemm" + suffix),
         fp8_quantize_groups=getattr(fp8, "quantize_groups" + suffix),
+        argmax=getattr(argmax_kernel, "argmax" + suffix),
     )
     return previous
 

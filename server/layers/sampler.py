@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvscale.server.layers import ops
+
 
 @dataclass
 class SamplingTensors:
@@ -149,7 +151,7 @@ def target_distribution(
             t.presence_penalty,
             t.frequency_penalty,
         )
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = ops.argmax(logits)
     if t.all_greedy:
         return None, greedy_tokens
     logits.div_(torch.where(t.greedy, 1.0, t.temperature).unsqueeze(1))

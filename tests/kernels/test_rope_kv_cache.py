@@ -117,9 +117,9 @@ def test_bad_shapes_are_refused(device: torch.device) -> None:
     reason="a CPU engine; on a GPU tests/gpu/test_engine_cuda.py runs the engine on CUDA",
 )
 def test_an_engine_on_the_triton_backend_decodes_as_the_torch_backend(llama_ckpt) -> None:
-    """The fused kernel in the engine (with the Triton attention and elementwise kernels
-    under the interpreter), fp32, chunked prefill and preemption: the same greedy tokens as
-    the torch backend, whose rotary and KV write are the two references."""
+    """The fused kernel in the engine (with the Triton attention, elementwise and argmax
+    kernels under the interpreter), fp32, chunked prefill and preemption: the same greedy
+    tokens as the torch backend, whose rotary and KV write are the two references."""
     from kvscale.server import LLM, SamplingParams
     from tests.hf_reference import random_prompts
 
