@@ -37,7 +37,6 @@ import torch
 
 from kvscale.server.config import EngineConfig, ModelConfig, ResolvedConfig
 from kvscale.server.engine.block_manager import BlockManager
-from kvscale.server.layers import ops
 from kvscale.server.layers.sampler import row_seed
 from kvscale.server.spec_decode.prefix import as_token_list, held_prefix_len
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
@@ -534,7 +533,7 @@ class DraftRunner:
         if logits.shape[1] > self.vocab_size:
             logits[:, self.vocab_size :] = float("-inf")
         rows = dev["draft_rows"]
-        greedy_tok = ops.argmax(logits)
+        greedy_tok = logits.argmax(dim=-1)
         if want_q:
             vals, ids = (logits / dev["draft_temp"].unsqueeze(1)).topk(self.top_m, dim=-1)
             probs = torch.softmax(vals, dim=-1)

@@ -544,7 +544,7 @@ class Worker:
         n = len(host_rows)
         drafts, num_draft = dev["spec_draft"], dev["spec_num_draft"]
         if plan.all_greedy and not plan.do_penalties:  # the argmax decides: a few kernels
-            argmax = ops.argmax(logits)[dev["spec_idx"]]
+            argmax = logits.argmax(dim=-1)[dev["spec_idx"]]
             return self._verified(host_rows, greedy_verify(drafts, num_draft, argmax))
         row_t = _sampling_tensors(dev["sampling"][rows], plan)
         t = expand_rows(row_t, k + 1)
