@@ -144,7 +144,7 @@ def test_each_worker_keeps_its_operator_routing_when_another_engine_changes_it(
     with the Triton backend built after a CPU one routes them to the kernels, which then
     got the CPU engine's tensors ("Pointer argument ... cannot be accessed from Triton
     (cpu tensor?)"). Every step runs under its own worker's routing."""
-    from kvscale.kernels import activation, rmsnorm, rotary, w4a16
+    from kvscale.kernels import activation, argmax, rmsnorm, rotary, w4a16
     from kvscale.server.layers import ops
 
     llm = LLM(str(llama_ckpt), device="cpu", num_kv_blocks=64)
@@ -160,6 +160,7 @@ def test_each_worker_keeps_its_operator_routing_when_another_engine_changes_it(
         (activation, "silu_and_mul"),
         (rotary, "rotary_embedding"),
         (w4a16, "w4a16_gemm"),
+        (argmax, "argmax"),
     ]:
         monkeypatch.setattr(module, name, kernel)
     ops.use_kernels(True)  # what building a CUDA engine with the triton backend does

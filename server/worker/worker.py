@@ -447,7 +447,8 @@ class Worker:
                     f"sample() needs a bitmask row for each"
                 )
             fwd.dev.update(to_device({"bitmask": bitmask}, self.device))
-        return self._sample(plan, fwd.logits, fwd.dev, host_plp)
+        with ops.kernels(self.use_kernels):  # the sampler's argmax: as ``forward``
+            return self._sample(plan, fwd.logits, fwd.dev, host_plp)
 
     def _run_model(self, step: StepInput, dev: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model on the step's device inputs; hidden states ``[T, H]``."""
