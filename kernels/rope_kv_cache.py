@@ -119,11 +119,8 @@ def rope_and_write_kv(
     """The rotated q (new, ``[T, Hq, D]`` contiguous, q's dtype); the rotated k and v
     stored at ``slot_mapping`` (see module doc)."""
     _check(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    rotary.check_kernel_layout(q=q, k=k, v=v, cos_sin_cache=cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
-    if head_dim % 2 or next_power_of_2(head_dim // 2) != head_dim // 2:
-        raise ValueError(f"head_dim {head_dim} must be a power of two >= 2")
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or cos_sin_cache.stride(1) != 1:
-        raise ValueError("q, k, v and cos_sin_cache need a contiguous last dim")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out

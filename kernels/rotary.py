@@ -117,16 +117,24 @@ def check_shapes(
         raise ValueError("cos_sin_cache must be [max_position, head_dim]")
 
 
+def check_kernel_layout(**tensors: torch.Tensor) -> None:
+    """What the kernels need beyond :func:`check_shapes`: a head_dim (the last dim of
+    each, checked on ``q``) that is a power of two >= 2, and a contiguous last dim."""
+    head_dim = tensors["q"].shape[-1]
+    if head_dim % 2 or next_power_of_2(head_dim // 2) != head_dim // 2:
+        raise ValueError(f"head_dim {head_dim} must be a power of two >= 2")
+    strided = [name for name, t in tensors.items() if t.stride(-1) != 1]
+    if strided:
+        raise ValueError(f"{', '.join(strided)}: the last dim must be contiguous")
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
     """Rotates ``q`` and ``k`` in place by the angles of ``positions`` (see module doc)."""
     check_shapes(positions, q, k, cos_sin_cache)
+    check_kernel_layout(q=q, k=k, cos_sin_cache=cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
-    if head_dim % 2 or next_power_of_2(head_dim // 2) != head_dim // 2:
-        raise ValueError(f"head_dim {head_dim} must be a power of two >= 2")
-    if q.stride(2) != 1 or k.stride(2) != 1 or cos_sin_cache.stride(1) != 1:
-        raise ValueError("q, k and cos_sin_cache need a contiguous last dim")
     if num_tokens == 0:
         return
     half = head_dim // 2

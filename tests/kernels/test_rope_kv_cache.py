@@ -107,6 +107,9 @@ def test_bad_shapes_are_refused(device: torch.device) -> None:
         rope_and_write_kv(**{**c, "positions": c["positions"][:3]}, k_cache=kc, v_cache=vc)
     with pytest.raises(ValueError, match="slot_mapping must be"):
         rope_and_write_kv(**{**c, "slot_mapping": c["slot_mapping"][:3]}, k_cache=kc, v_cache=vc)
+    strided_q = torch.zeros(13, 4, 64, device=device)[..., ::2]  # [T, Hq, D], stride 2
+    with pytest.raises(ValueError, match="q: the last dim must be contiguous"):
+        rope_and_write_kv(**{**c, "q": strided_q}, k_cache=kc, v_cache=vc)
     fp8 = _caches(FP8_E4M3, 2, 32, device)
     with pytest.raises(ValueError, match="needs k_scale and v_scale"):
         rope_and_write_kv(**c, k_cache=fp8[0], v_cache=fp8[1])
