@@ -56,7 +56,6 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(
             cfg.num_heads * cfg.head_dim,
             cfg.hidden_size,

@@ -82,6 +82,11 @@ def _block_tables(rows: list[_Row]) -> np.ndarray:
     return tables
 
 
+def _slots(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, bs: int) -> np.ndarray:
+    """The KV slots (int64) of ``positions`` of table rows ``rows`` (blocks of ``bs``)."""
+    return tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+
+
 def _draw_params(rows: list[_Row]) -> tuple[np.ndarray, np.ndarray]:
     """What sampled draws read per row: temperature (float32, 1 for greedy rows) and
     whether the row is greedy (bool)."""
@@ -118,11 +123,10 @@ class _DecodeRows:
         need (``draft_u``, ``draft_temp``, ``draft_greedy``) is left to the caller."""
         s = len(self.idx)
         positions = self.n + (j - 1)
-        slots = self.tables[np.arange(s), positions // block_size].astype(np.int64)
         return {
             "ids": -(self.idx + 1),
             "positions": positions,
-            "slots": slots * block_size + positions % block_size,
+            "slots": _slots(self.tables, np.arange(s), positions, block_size),
             "seq_lens": (positions + 1).astype(np.int32),
             "q_start": np.arange(s + 1, dtype=np.int32),
             "tables": self.tables,
@@ -485,7 +489,7 @@ class DraftRunner:
         seg_of = np.repeat(np.arange(s), length)
         positions = start[seg_of] + np.arange(total) - q_start[seg_of]
         tables = _block_tables([rows[i] for i in idx.tolist()])
-        slots = tables[seg_of, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = _slots(tables, seg_of, positions, bs)
         ids = np.concatenate([rows[i].seq.tokens[a:b] for i, a, b in segs], dtype=np.int64)
         last = np.array([b == rows[i].n + j for i, _, b in segs], dtype=bool)
         sampled = idx[last]
