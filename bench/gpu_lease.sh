@@ -329,6 +329,26 @@ plan_r13b() {
   bench spec 300 spec
 }
 
+# r14: is r13's slower A and B (8,917 and 7,436 tok/s against r5's 9,332 and 8,309) the
+# code or the host? The same bench on one machine: HEAD, the code r5 measured (76583c1),
+# the code of r12 (104fe83), HEAD again. Each tree is an untracked copy made here before
+# the call (`mkdir ab-old && git archive 76583c1 | tar -x -C ab-old`; ab-mid the same),
+# installed editable in turn.
+plan_r14() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  lscpu > "$RES/lscpu.txt" 2>&1
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  local tree
+  for tree in . ab-old ab-mid .; do
+    local name=ours-${tree#ab-}; [ "$tree" = . ] && name=ours-head
+    [ -d "$RES/$name" ] && name=$name-2
+    (cd "$tree" && python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e .) \
+      > "$RES/install-$name.log" 2>&1
+    step "$name" 150 python3 "$tree/bench/engine_bench.py" --out-dir "$RES/$name" --ckpt "$CKPT" \
+      --phases ours
+  done
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
