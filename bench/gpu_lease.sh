@@ -349,6 +349,17 @@ plan_r14() {
   done
 }
 
+# r15: where a mixed step's host time goes (B's and D c=256's steps are host-bound):
+# profile_step's mixed-step launch times (section 4) and its cProfile of ten mixed steps
+# (section 5), eager and piecewise.
+plan_r15() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  lscpu > "$RES/lscpu.txt" 2>&1
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  step profile-mixed 400 python3 bench/profile_step.py --ckpt "$CKPT" --sections 45 \
+    --modes full_decode_only,full_and_piecewise
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

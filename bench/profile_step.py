@@ -10,6 +10,9 @@
    and with a prompt of 100, 490, 700 or 2,000 tokens joining (piecewise graphs or eager,
    as the mode's dispatcher decides), each synchronized, with the host's launch time: a
    launch time close to the step time means the step waits on the host, not the GPU.
+5. The host's functions in such mixed steps (64 decodes + a 490-token prompt, ten of
+   them) under cProfile, by own time and by cumulative time: what a mixed step's launch
+   spends its milliseconds on.
 
 Each ``--modes`` value (a ``--cuda-graph-mode``) gets an engine of its own, in turn, with
 its start-up time printed; e.g. the mixed-step enqueue time with and without piecewise
@@ -139,6 +142,8 @@ def _sections(eng: Any, sections: str) -> None:
         _prefill_sizes(eng)
     if "4" in sections:
         _mixed_vs_decode(eng)
+    if "5" in sections:
+        _mixed_host_profile(eng)
 
 
 def _profiler(eng: Any) -> None:
@@ -235,6 +240,47 @@ def _mixed_vs_decode(eng: Any) -> None:
             f"j{k}", _prompts(1, joining, 30 + k)[0], SamplingParams(temperature=0, max_tokens=1)
         )
         one_step(f"mixed, {joining}-token prompt joining")
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def _mixed_host_profile(eng: Any, steps: int = 10, top: int = 30) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from kvscale.server import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_bench import _prompts
+
+    print(f"== 5. the host's functions in {steps} mixed steps (64 decodes + a 490-token prompt)")
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i, p in enumerate(_prompts(64, 128, 40)):
+        eng.add_request(f"h{i}", p, params)
+    for _ in range(4):
+        eng.step()
+    prof = cProfile.Profile()
+    launched = 0.0
+    for k in range(steps):
+        eng.step()  # a decode-only step between the mixed ones, as in section 4
+        eng.add_request(
+            f"hj{k}", _prompts(1, 490, 50 + k)[0], SamplingParams(temperature=0, max_tokens=1)
+        )
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prof.enable()
+        eng.step()
+        prof.disable()
+        launched += time.perf_counter() - t0
+        torch.cuda.synchronize()
+    print(f"{1e3 * launched / steps:.2f} ms a mixed step's step() call under cProfile")
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(top)
+        print(buf.getvalue())
     while eng.has_unfinished_requests():
         eng.step()
 
