@@ -17,13 +17,18 @@ the cache. Query-length-1 rows (decode) are fine, so mixed batches can use this 
 Tiling (flash-attention): one program per (query tile, kv head); the grid is flat over all
 sequences' query tiles (each program finds its sequence by binary search over
 ``query_start_loc``), so short and decode rows waste no programs. A tile holds
-``BLOCK_M`` rows = ``BLOCK_M // group`` query tokens x the ``group`` query heads sharing the kv
-head, so each K/V tile is loaded once per group. KV tiles of ``BLOCK_N`` tokens are gathered
-through the block table; tiles entirely visible to every row skip the causal mask and tiles
-entirely in the future are never visited. Softmax statistics and accumulators are fp32;
-``tl.dot`` takes operands in the storage dtype (fp32 operands use IEEE precision).
-``head_dim`` and ``block_size`` must be powers of two (head_dim >= 16). An FP8 cache is
-upcast to q's dtype in registers; ``k_scale`` joins the score scale, ``v_scale`` the output.
+``BLOCK_M`` rows = ``BLOCK_M // group`` query tokens x the ``group`` query heads sharing the
+kv head, so each K/V tile is loaded once per group. A sequence of a few new tokens (a
+decode row of a mixed batch, a speculative verify row) would fill 4 rows of a 256-row
+prefill tile and compute all 256 over its whole context: sequences of at most
+``short_query`` new tokens run in a second launch of the same kernel with 16-row tiles
+(``short_config``), each launch skipping the other's sequences. KV tiles of ``BLOCK_N``
+tokens are gathered through the block table; tiles entirely visible to every row skip the
+causal mask and tiles entirely in the future are never visited. Softmax statistics and
+accumulators are fp32; ``tl.dot`` takes operands in the storage dtype (fp32 operands use
+IEEE precision). ``head_dim`` and ``block_size`` must be powers of two (head_dim >= 16).
+An FP8 cache is upcast to q's dtype in registers; ``k_scale`` joins the score scale,
+``v_scale`` the output.
 """
 
 from __future__ import annotations
@@ -62,6 +67,20 @@ def prefill_config(head_dim: int, group: int, elem_bytes: int = 2) -> dict[str, 
         "num_warps": warps,
         "num_stages": stages,
     }
+
+
+def short_config(head_dim: int, group: int, elem_bytes: int = 2) -> dict[str, int]:
+    """Tile sizes and launch options for sequences of few new tokens: 16-row tiles (the
+    smallest ``tl.dot`` takes), so a decode row's tile holds its ``group`` query heads."""
+    block_m = max(16, next_power_of_2(group))
+    if is_interpreter():
+        return {"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    block_n = 64 if head_dim <= 128 and elem_bytes <= 2 else 32
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+
+
+SHORT_QUERY = 16  # sequences of at most this many new tokens run in 16-row tiles
+_NO_LIMIT = 2**31 - 1
 
 
 @triton.jit
@@ -130,7 +149,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 # Sizes that change every step are not specialized on, so no step recompiles.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "min_q_len", "max_q_len"])
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -143,6 +162,8 @@ def _paged_prefill_kernel(
     v_scale_ptr,
     scale_log2e,
     num_seqs,
+    min_q_len,
+    max_q_len,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -170,7 +191,8 @@ def _paged_prefill_kernel(
     q_end = tl.load(query_start_loc_ptr + b + 1, mask=seq_ok, other=0)
     q_len = q_end - q_start
     q_tile0 = (tile - (q_start // BLOCK_Q + b)) * BLOCK_Q
-    if q_tile0 >= q_len:
+    # past the sequence's queries, or a sequence the other launch runs
+    if (q_tile0 >= q_len) | (q_len < min_q_len) | (q_len > max_q_len):
         return
     seq_len = tl.load(seq_lens_ptr + b, mask=seq_ok, other=0)
     ctx_len = seq_len - q_len
@@ -296,11 +318,14 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    short_query: int = SHORT_QUERY,
 ) -> torch.Tensor:
     """Causal attention of each new token to its sequence's cached tokens; ``out [T, Hq, D]``.
 
-    ``max_query_len`` (host int, >= every query length) is only used to skip empty batches:
-    the launch grid is flat over query tiles, sized from T and B without a device sync.
+    ``max_query_len`` (host int, >= every query length) skips empty batches and picks the
+    launches: the grids are flat over query tiles, sized from T and B without a device
+    sync. Sequences of at most ``short_query`` new tokens run in small tiles, the others
+    in large ones (0: every sequence in large tiles, one launch).
     ``k_scale``, ``v_scale``: an FP8 cache's fp32 scales (``[]``).
     """
     _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, k_scale, v_scale)
@@ -324,41 +349,56 @@ def paged_prefill_attention(
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     qg = num_heads // num_kv_heads
-    cfg = prefill_config(head_dim, qg, q.element_size())
-    block_q = cfg["BLOCK_M"] // qg
-    grid = (triton.cdiv(q.shape[0], block_q) + batch, num_kv_heads)
-    _paged_prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        k_scale if kv_fp8 else out,
-        v_scale if kv_fp8 else out,
-        scale * LOG2E,
-        batch,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        QG=qg,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_Q=block_q,
-        BLOCK_N=cfg["BLOCK_N"],
-        DOT_PREC=dot_precision(q.dtype),
-        KV_FP8=kv_fp8,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+    scales = (k_scale, v_scale) if kv_fp8 else (out, out)
+    args = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *scales,
+            scale * LOG2E, batch)  # fmt: skip
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))  # fmt: skip
+    launches = _launches(
+        q.shape[0], batch, max_query_len, short_query, head_dim, qg, q.element_size()
     )
+    for cfg, min_q_len, max_q_len in launches:
+        block_q = cfg["BLOCK_M"] // qg
+        grid = (triton.cdiv(q.shape[0], block_q) + batch, num_kv_heads)
+        _paged_prefill_kernel[grid](
+            *args,
+            min_q_len,
+            max_q_len,
+            *strides,
+            QG=qg,
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_Q=block_q,
+            BLOCK_N=cfg["BLOCK_N"],
+            DOT_PREC=dot_precision(q.dtype),
+            KV_FP8=kv_fp8,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
     return out
+
+
+def _launches(
+    num_tokens: int,
+    batch: int,
+    max_query_len: int,
+    short_query: int,
+    head_dim: int,
+    group: int,
+    elem_bytes: int,
+) -> list[tuple[dict[str, int], int, int]]:
+    """``(config, min query length, max query length)`` of each launch a batch of
+    ``num_tokens`` new tokens over ``batch`` sequences needs."""
+    big = prefill_config(head_dim, group, elem_bytes)
+    if short_query <= 0:
+        return [(big, 0, _NO_LIMIT)]
+    small = short_config(head_dim, group, elem_bytes)
+    if max_query_len <= short_query:
+        return [(small, 0, _NO_LIMIT)]
+    if num_tokens == batch * max_query_len:  # every sequence has max_query_len tokens
+        return [(big, 0, _NO_LIMIT)]
+    return [(big, short_query + 1, _NO_LIMIT), (small, 0, short_query)]
 
 
 def paged_prefill_attention_ref(
