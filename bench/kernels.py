@@ -9,6 +9,10 @@ matmul. Results go to ``<out-dir>/kernels.json`` and ``<out-dir>/kernels.md``.
     python bench/kernels.py [--out-dir bench/results] [--quick] [--only w4a16]
                             [--w4a16-sweep]
 
+The attention group also times a mixed step shaped like workload B's (250 decode rows and
+a 490-token prompt in one prefill-kernel call) with short sequences in their own small
+tiles and all in one launch of the large ones.
+
 The W4A16 GEMM (4-bit weights, groups of 128 with zero points) runs at each linear layer
 of the 8B model: decode batches of 1 and 16 rows (CUDA-graph timed, bytes over the copy
 ceiling) and a 4,096-token prefill (FLOP/s over the matmul ceiling), each next to the
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -47,6 +52,8 @@ ROPE_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 ELEMENTWISE_TOKENS = 8192
+MIXED_DECODE_ROWS = 250  # workload B's mixed steps: ~250 decode rows and ~490 prompt tokens
+MIXED_PROMPT = 490
 MAX_REL_ERROR = 2e-2
 # W4A16 GEMM: the 8B model's linear layers as (name, K, N), groups of 128 with zero points
 W4A16_LAYERS = (
@@ -74,6 +81,9 @@ TARGETS: dict[str, tuple[str, float, bool]] = {
     "paged_decode": (COPY, 0.80, True),
     "paged_decode_split": (COPY, 0.70, True),
     "paged_prefill": (MATMUL, 300.0, False),
+    # a mixed step of workload B: decode rows' K/V reads dominate (bytes over copy)
+    "paged_prefill_mixed": (COPY, 0.60, True),
+    "paged_prefill_mixed_one_launch": (COPY, 0.60, True),
     "rms_norm": (COPY, 0.75, True),
     "fused_add_rms_norm": (COPY, 0.75, True),
     "rotary_embedding": (COPY, 0.75, True),
@@ -399,6 +409,38 @@ class Bench:
         shape = f"{num_seqs} seqs x {seq_len} tokens, causal, block={block_size}"
         return make_result("paged_prefill", shape, ms, flops, err, ceilings)
 
+    def prefill_mixed(self, ceilings: dict[str, float]) -> list[Result]:
+        """A mixed step shaped like workload B's: ``MIXED_DECODE_ROWS`` decode rows (seeded
+        contexts of 200-1,500 tokens) and one ``MIXED_PROMPT``-token prompt, with the short
+        sequences in their own small tiles (the default) and all in one launch of the
+        large ones; bytes: every sequence's K/V read once, q read and out written."""
+        from kvscale.kernels import paged_prefill as pp
+        from kvscale.kernels.testing import random_paged_kv, rel_error
+
+        g = torch.Generator().manual_seed(0)
+        ctx = torch.randint(200, 1500, (MIXED_DECODE_ROWS,), generator=g).tolist()
+        seq_lens, q_lens = [*ctx, MIXED_PROMPT], [1] * len(ctx) + [MIXED_PROMPT]
+        dev = self.device
+        kv = random_paged_kv(seq_lens, NUM_KV_HEADS, HEAD_DIM, 16, self.dtype, dev, garbage=None)
+        t = sum(q_lens)
+        q = torch.randn(t, NUM_HEADS, HEAD_DIM, dtype=self.dtype, device=dev)
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
+        args = (q, kv.k_cache, kv.v_cache, qsl, kv.seq_lens, kv.block_tables, MIXED_PROMPT)
+        ref = pp.paged_prefill_attention_ref(*args, HEAD_DIM**-0.5)
+        nbytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * t * NUM_HEADS * HEAD_DIM * 2
+        shape = f"{MIXED_DECODE_ROWS} decode rows (ctx 200-1500) + a {MIXED_PROMPT}-token prompt"
+        results = []
+        for name, short in (("paged_prefill_mixed", pp.SHORT_QUERY),
+                            ("paged_prefill_mixed_one_launch", 0)):  # fmt: skip
+            out = torch.empty_like(q)
+
+            def run(short: int = short, out: torch.Tensor = out) -> torch.Tensor:
+                return pp.paged_prefill_attention(*args, HEAD_DIM**-0.5, out=out, short_query=short)
+
+            err = rel_error(run(), ref)
+            results.append(make_result(name, shape, self.time_ms(run), nbytes, err, ceilings))
+        return results
+
     def elementwise(self, ceilings: dict[str, float]) -> list[Result]:
         from kvscale.kernels import activation, kv_cache, rmsnorm, rope_kv_cache, rotary
         from kvscale.kernels.testing import rel_error
@@ -666,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: [bench.decode(64, 4096, 16, ceilings, "paged_decode")],
             lambda: [bench.decode(1, 32768, 16, ceilings, "paged_decode_split")],
             lambda: [bench.prefill(8, 2048, ceilings)],
+            lambda: bench.prefill_mixed(ceilings),
         ],
         "elementwise": [lambda: bench.elementwise(ceilings)],
         "w4a16": [w4a16_group],

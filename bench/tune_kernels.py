@@ -1,10 +1,12 @@
 """Sweeps launch configurations of the attention kernels on one CUDA GPU (device tool).
 
-Prints, for split-KV decode (B=1, context 32768) and causal prefill (8 x 2048), the time
-and achieved bandwidth / TFLOP/s of each configuration, best first. The kernels' default
-configs are then set from what this finds (bench/NOTES.md keeps the numbers).
+Prints, for split-KV decode (B=1, context 32768), causal prefill (8 x 2048) and the
+prefill kernel's small tiles on decode rows (workload B's mixed steps: 250 rows of 200-1,500
+tokens of context), the time and achieved bandwidth / TFLOP/s of each configuration, best
+first. The kernels' default configs are then set from what this finds (bench/NOTES.md
+keeps the numbers).
 
-    python bench/tune_kernels.py
+    python bench/tune_kernels.py [--only short]
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ import kernels as kb
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="decode,prefill,short", help="comma list of sweeps")
+    only = ap.parse_args().only.split(",")
+    if "short" in only:
+        sweep_short()
+    if not {"decode", "prefill"} & set(only):
+        return
     import triton.testing
 
     from kvscale.kernels import paged_decode as pd
@@ -110,6 +121,50 @@ def main() -> None:
     pp.prefill_config = orig_p
     for r in sorted(rows)[:12]:
         print(f"{r[0] * 1e3:8.1f} us  {r[2]:>10}  {r[1]}")
+
+
+def sweep_short() -> None:
+    """The small-tile configs of ``paged_prefill.short_config`` on B-shaped decode rows."""
+    import triton.testing
+
+    from kvscale.kernels import paged_prefill as pp
+    from kvscale.kernels.testing import random_paged_kv
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(200, 1500, (kb.MIXED_DECODE_ROWS,), generator=g).tolist()
+    kv = random_paged_kv(ctx, kb.NUM_KV_HEADS, kb.HEAD_DIM, 16, dt, dev, garbage=None)
+    n = len(ctx)
+    q = torch.randn(n, kb.NUM_HEADS, kb.HEAD_DIM, dtype=dt, device=dev)
+    qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    nbytes = 2 * sum(ctx) * kb.NUM_KV_HEADS * kb.HEAD_DIM * 2
+    rows = []
+    orig = pp.short_config
+    for bn, warps, stages in itertools.product([32, 64, 128], [2, 4, 8], [2, 3, 4]):
+        pp.short_config = lambda h, g, e=2, bn=bn, w=warps, s=stages: {
+            "BLOCK_M": 16,
+            "BLOCK_N": bn,
+            "num_warps": w,
+            "num_stages": s,
+        }
+        try:
+            t = float(
+                triton.testing.do_bench(
+                    lambda: pp.paged_prefill_attention(
+                        q, kv.k_cache, kv.v_cache, qsl, kv.seq_lens, kv.block_tables, 1, 0.088
+                    ),
+                    warmup=25,
+                    rep=100,
+                    return_mode="median",
+                )
+            )
+        except Exception as e:
+            print(f"short BN={bn} w={warps} s={stages}: {type(e).__name__}")
+            continue
+        rows.append((t, f"short BLOCK_N={bn} warps={warps} stages={stages}", nbytes / t / 1e6))
+    pp.short_config = orig
+    for t, name, gbs in sorted(rows)[:12]:
+        print(f"{t * 1e3:8.1f} us  {gbs:8.0f} GB/s  {name}")
 
 
 if __name__ == "__main__":
