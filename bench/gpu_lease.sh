@@ -360,6 +360,30 @@ plan_r15() {
     --modes full_decode_only,full_and_piecewise
 }
 
+# r16 (e26): decode rows of mixed steps in 16-row tiles. The kernel tests natively, the
+# small tiles' sweep, the attention kernels with the B-shaped mixed step, B eager and
+# piecewise with this code and with the code before it (ab-prev: `git archive a34a871`)
+# on one machine, then the engine's GPU tests.
+plan_r16() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  lscpu > "$RES/lscpu.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_paged_prefill.py \
+    tests/kernels/test_fp8_kv.py
+  wait
+  step tune-short 90 python3 bench/tune_kernels.py --only short
+  step kernels-attention 120 python3 bench/kernels.py --out-dir "$RES" --only attention
+  bench b-head 200 piecewise
+  (cd ab-prev && python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e .) \
+    > "$RES/install-prev.log" 2>&1
+  step b-prev 200 python3 ab-prev/bench/engine_bench.py --out-dir "$RES/prev" --ckpt "$CKPT" \
+    --phases piecewise
+  python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . \
+    > "$RES/install-head.log" 2>&1
+  step tests-gpu 240 "${pt[@]}" -s tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
