@@ -384,6 +384,19 @@ plan_r16() {
   step tests-gpu 240 "${pt[@]}" -s tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
 }
 
+# r17: the prefill kernel's native tests in full (r16's ran out of time compiling both
+# tile configs of every case), then D at c=256 eager and piecewise after the small tiles.
+plan_r17() {
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  lscpu > "$RES/lscpu.txt" 2>&1
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=300)
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-kernels 480 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_paged_prefill.py \
+    tests/kernels/test_fp8_kv.py
+  wait
+  bench serve-pw 420 serve-piecewise --piecewise-concurrency 256
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
