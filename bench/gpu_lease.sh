@@ -30,7 +30,7 @@ bench() {  # bench NAME SECONDS PHASES [ARGS]: engine_bench.py phases, results i
 # Issue 23, first lease: GPU tests, then the measurements in priority order.
 plan_round() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
-  step tests-kernels 330 env KVSCALE_KERNEL_TESTS=1 python3 -m pytest -q -p no:cacheprovider \
+  step tests-kernels 600 env KVSCALE_KERNEL_TESTS=1 python3 -m pytest -q -p no:cacheprovider \
     tests/kernels
   step tests-gpu 480 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu \
     --ignore=tests/gpu/test_tensor_parallel_cuda.py
@@ -49,12 +49,14 @@ plan_round() {
 # Issues 23 and 24 on nvidia-h200-x2 / nvidia-h100-x2: every single-GPU test, one GPU per
 # group (the 8B-shaped checkpoint is written on GPU 0 first), then the TP=2 tests and the
 # TP=1 vs TP=2 measurements on both. pytest-timeout gives each hung test its stack.
+# tests/kernels natively takes ~8-10 minutes: the prefill file alone ~5 (r17: two tile
+# configs compiled per case).
 plan_x2() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
   (export CUDA_VISIBLE_DEVICES=0
    step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
-   step tests-kernels 420 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels) &
+   step tests-kernels 600 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels) &
   (export CUDA_VISIBLE_DEVICES=1
    step tests-gpu 600 "${pt[@]}" tests/gpu --ignore=tests/gpu/test_tensor_parallel_cuda.py) &
   wait
