@@ -20,6 +20,16 @@ step() {  # step NAME SECONDS COMMAND...
   echo "=== [$name] $(date -u +%T) exit $rc" >> "$RES/log.txt"
 }
 
+facts() {  # the machine: GPU and CPU
+  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
+  lscpu > "$RES/lscpu.txt" 2>&1
+}
+
+install_tree() {  # install_tree DIR NAME: DIR's kvscale, editable, in place of the current
+  (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e .) \
+    > "$RES/install-$2.log" 2>&1
+}
+
 bench() {  # bench NAME SECONDS PHASES [ARGS]: engine_bench.py phases, results in $RES
   local name=$1 limit=$2 phases=$3
   shift 3
@@ -337,15 +347,13 @@ plan_r13b() {
 # the call (`mkdir ab-old && git archive 76583c1 | tar -x -C ab-old`; ab-mid the same),
 # installed editable in turn.
 plan_r14() {
-  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
-  lscpu > "$RES/lscpu.txt" 2>&1
+  facts
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
   local tree
   for tree in . ab-old ab-mid .; do
     local name=ours-${tree#ab-}; [ "$tree" = . ] && name=ours-head
     [ -d "$RES/$name" ] && name=$name-2
-    (cd "$tree" && python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e .) \
-      > "$RES/install-$name.log" 2>&1
+    install_tree "$tree" "$name"
     step "$name" 150 python3 "$tree/bench/engine_bench.py" --out-dir "$RES/$name" --ckpt "$CKPT" \
       --phases ours
   done
@@ -355,8 +363,7 @@ plan_r14() {
 # profile_step's mixed-step launch times (section 4) and its cProfile of ten mixed steps
 # (section 5), eager and piecewise.
 plan_r15() {
-  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
-  lscpu > "$RES/lscpu.txt" 2>&1
+  facts
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
   step profile-mixed 400 python3 bench/profile_step.py --ckpt "$CKPT" --sections 45 \
     --modes full_decode_only,full_and_piecewise
@@ -366,36 +373,34 @@ plan_r15() {
 # small tiles' sweep, the attention kernels with the B-shaped mixed step, B eager and
 # piecewise with this code and with the code before it (ab-prev: `git archive a34a871`)
 # on one machine, then the engine's GPU tests.
-plan_r16() {
-  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
-  lscpu > "$RES/lscpu.txt" 2>&1
-  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+# ckpt_and_prefill_tests LIMIT PER_TEST: the prefill and FP8-KV kernel tests natively
+# while the checkpoint is written
+ckpt_and_prefill_tests() {
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
-  step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_paged_prefill.py \
-    tests/kernels/test_fp8_kv.py
+  step tests-kernels "$1" env KVSCALE_KERNEL_TESTS=1 python3 -m pytest -q -p no:cacheprovider -rs \
+    --tb=short --timeout="$2" tests/kernels/test_paged_prefill.py tests/kernels/test_fp8_kv.py
   wait
+}
+
+plan_r16() {
+  facts
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  ckpt_and_prefill_tests 150 150
   step tune-short 90 python3 bench/tune_kernels.py --only short
   step kernels-attention 120 python3 bench/kernels.py --out-dir "$RES" --only attention
   bench b-head 200 piecewise
-  (cd ab-prev && python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e .) \
-    > "$RES/install-prev.log" 2>&1
+  install_tree ab-prev prev
   step b-prev 200 python3 ab-prev/bench/engine_bench.py --out-dir "$RES/prev" --ckpt "$CKPT" \
     --phases piecewise
-  python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . \
-    > "$RES/install-head.log" 2>&1
+  install_tree . head
   step tests-gpu 240 "${pt[@]}" -s tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
 }
 
 # r17: the prefill kernel's native tests in full (r16's ran out of time compiling both
 # tile configs of every case), then D at c=256 eager and piecewise after the small tiles.
 plan_r17() {
-  nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
-  lscpu > "$RES/lscpu.txt" 2>&1
-  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=300)
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
-  step tests-kernels 480 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_paged_prefill.py \
-    tests/kernels/test_fp8_kv.py
-  wait
+  facts
+  ckpt_and_prefill_tests 480 300
   bench serve-pw 420 serve-piecewise --piecewise-concurrency 256
 }
 
