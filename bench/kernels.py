@@ -286,6 +286,27 @@ def to_json(meta: dict[str, Any], ceilings: dict[str, float], results: list[Resu
     )
 
 
+def b_decode_contexts() -> list[int]:
+    """The contexts of a B-shaped mixed step's decode rows: ``MIXED_DECODE_ROWS`` seeded
+    lengths of 200-1,500 tokens."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(200, 1500, (MIXED_DECODE_ROWS,), generator=g).tolist()
+
+
+def varlen_batch(
+    seq_lens: list[int], q_lens: list[int], dtype: torch.dtype, device: torch.device
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """A random paged K/V cache (blocks of 16) holding ``seq_lens`` tokens per sequence,
+    random q for each one's last ``q_lens`` tokens (``[sum(q_lens), NUM_HEADS, HEAD_DIM]``)
+    and their ``query_start_loc`` (int32 ``[B + 1]``)."""
+    from kvscale.kernels.testing import random_paged_kv
+
+    kv = random_paged_kv(seq_lens, NUM_KV_HEADS, HEAD_DIM, 16, dtype, device, garbage=None)
+    q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+    return kv, q, qsl
+
+
 # --------------------------------------------------------------------------- GPU runs
 class Bench:
     def __init__(self, quick: bool) -> None:
@@ -410,21 +431,17 @@ class Bench:
         return make_result("paged_prefill", shape, ms, flops, err, ceilings)
 
     def prefill_mixed(self, ceilings: dict[str, float]) -> list[Result]:
-        """A mixed step shaped like workload B's: ``MIXED_DECODE_ROWS`` decode rows (seeded
-        contexts of 200-1,500 tokens) and one ``MIXED_PROMPT``-token prompt, with the short
+        """A mixed step shaped like workload B's: ``MIXED_DECODE_ROWS`` decode rows
+        (``b_decode_contexts``) and one ``MIXED_PROMPT``-token prompt, with the short
         sequences in their own small tiles (the default) and all in one launch of the
         large ones; bytes: every sequence's K/V read once, q read and out written."""
         from kvscale.kernels import paged_prefill as pp
-        from kvscale.kernels.testing import random_paged_kv, rel_error
+        from kvscale.kernels.testing import rel_error
 
-        g = torch.Generator().manual_seed(0)
-        ctx = torch.randint(200, 1500, (MIXED_DECODE_ROWS,), generator=g).tolist()
+        ctx = b_decode_contexts()
         seq_lens, q_lens = [*ctx, MIXED_PROMPT], [1] * len(ctx) + [MIXED_PROMPT]
-        dev = self.device
-        kv = random_paged_kv(seq_lens, NUM_KV_HEADS, HEAD_DIM, 16, self.dtype, dev, garbage=None)
-        t = sum(q_lens)
-        q = torch.randn(t, NUM_HEADS, HEAD_DIM, dtype=self.dtype, device=dev)
-        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
+        kv, q, qsl = varlen_batch(seq_lens, q_lens, self.dtype, self.device)
+        t = q.shape[0]
         args = (q, kv.k_cache, kv.v_cache, qsl, kv.seq_lens, kv.block_tables, MIXED_PROMPT)
         ref = pp.paged_prefill_attention_ref(*args, HEAD_DIM**-0.5)
         nbytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * t * NUM_HEADS * HEAD_DIM * 2

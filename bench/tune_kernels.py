@@ -128,15 +128,9 @@ def sweep_short() -> None:
     import triton.testing
 
     from kvscale.kernels import paged_prefill as pp
-    from kvscale.kernels.testing import random_paged_kv
 
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator().manual_seed(0)
-    ctx = torch.randint(200, 1500, (kb.MIXED_DECODE_ROWS,), generator=g).tolist()
-    kv = random_paged_kv(ctx, kb.NUM_KV_HEADS, kb.HEAD_DIM, 16, dt, dev, garbage=None)
-    n = len(ctx)
-    q = torch.randn(n, kb.NUM_HEADS, kb.HEAD_DIM, dtype=dt, device=dev)
-    qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    ctx = kb.b_decode_contexts()
+    kv, q, qsl = kb.varlen_batch(ctx, [1] * len(ctx), torch.bfloat16, torch.device("cuda"))
     nbytes = 2 * sum(ctx) * kb.NUM_KV_HEADS * kb.HEAD_DIM * 2
     rows = []
     orig = pp.short_config
