@@ -207,6 +207,20 @@ def _prefill_sizes(eng: Any) -> None:
             eng.step()
 
 
+def _start_decoding(eng: Any, tag: str, seed: int) -> None:
+    """64 requests of 128-token prompts, 200 tokens each, all decoding on return."""
+    from kvscale.server import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_bench import _prompts
+
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i, p in enumerate(_prompts(64, 128, seed)):
+        eng.add_request(f"{tag}{i}", p, params)
+    for _ in range(4):  # the 64 prompts (8,192 tokens) fill one step; then all decode
+        eng.step()
+
+
 def _mixed_vs_decode(eng: Any) -> None:
     import torch
 
@@ -216,11 +230,7 @@ def _mixed_vs_decode(eng: Any) -> None:
     from engine_bench import _prompts
 
     print("== 4. 64 decoding sequences, alone and with a prompt joining")
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    for i, p in enumerate(_prompts(64, 128, 20)):
-        eng.add_request(f"d{i}", p, params)
-    for _ in range(4):  # the 64 prompts (8,192 tokens) fill one step; then all decode
-        eng.step()
+    _start_decoding(eng, "d", 20)
     launch = eng.worker.launch
 
     def one_step(label: str) -> None:
@@ -257,11 +267,7 @@ def _mixed_host_profile(eng: Any, steps: int = 10, top: int = 30) -> None:
     from engine_bench import _prompts
 
     print(f"== 5. the host's functions in {steps} mixed steps (64 decodes + a 490-token prompt)")
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    for i, p in enumerate(_prompts(64, 128, 40)):
-        eng.add_request(f"h{i}", p, params)
-    for _ in range(4):
-        eng.step()
+    _start_decoding(eng, "h", 40)
     prof = cProfile.Profile()
     launched = 0.0
     for k in range(steps):
