@@ -390,15 +390,14 @@ def _launches(
 ) -> list[tuple[dict[str, int], int, int]]:
     """``(config, min query length, max query length)`` of each launch a batch of
     ``num_tokens`` new tokens over ``batch`` sequences needs."""
+    if 0 < max_query_len <= short_query:
+        return [(short_config(head_dim, group, elem_bytes), 0, _NO_LIMIT)]
     big = prefill_config(head_dim, group, elem_bytes)
-    if short_query <= 0:
+    # short_query 0, or every sequence has max_query_len tokens: the large tiles only
+    if short_query <= 0 or num_tokens == batch * max_query_len:
         return [(big, 0, _NO_LIMIT)]
-    small = short_config(head_dim, group, elem_bytes)
-    if max_query_len <= short_query:
-        return [(small, 0, _NO_LIMIT)]
-    if num_tokens == batch * max_query_len:  # every sequence has max_query_len tokens
-        return [(big, 0, _NO_LIMIT)]
-    return [(big, short_query + 1, _NO_LIMIT), (small, 0, short_query)]
+    return [(big, short_query + 1, _NO_LIMIT), (short_config(head_dim, group, elem_bytes), 0,
+                                                short_query)]  # fmt: skip
 
 
 def paged_prefill_attention_ref(
