@@ -19,9 +19,10 @@ loaded through the engine's real loader (and by transformers for the peer). Work
   D at c=64 and 256, and the start-up with an empty and a warm compile cache.
 
 Tensor parallelism (two GPUs, not part of ``all``): ``tp1`` and ``tp2`` run C and A at
-TP=1 and TP=2, ``serve-tp2`` runs D at TP=2 (``serve`` gives TP=1), ``allreduce``
-profiles TP=2 decode steps (graph replays) for the NCCL kernels' share of a step; the
-report adds a TP=1 vs TP=2 table with the targets (C TPOT <= 0.62x, A >= 1.6x).
+TP=1 and TP=2 (``tp2-nccl``: TP=2 with every all-reduce on NCCL, none one-shot),
+``serve-tp2`` runs D at TP=2 (``serve`` gives TP=1), ``allreduce`` profiles TP=2 decode
+steps (graph replays) for the all-reduce kernels' share of a step; the report adds a
+TP=1 vs TP=2 table with the targets (C TPOT <= 0.62x, A >= 1.6x).
 
     python bench/engine_bench.py --phases ceilings,tp1,tp2,serve,serve-tp2,allreduce \
         --concurrency 64,256 --report
@@ -126,7 +127,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
-TP_PHASES = ("tp1", "tp2", "serve-tp2", "allreduce")  # two GPUs; run by name only
+TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce")  # two GPUs; run by name only
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
@@ -508,8 +509,10 @@ def format_tp_table(res: dict[str, Any]) -> str:
             )
     for batch, a in sorted(res.get("allreduce", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(
-            f"- TP=2 decode step at batch {batch}: {a['step_ms']:.2f} ms, NCCL kernels "
-            f"{a['nccl_ms']:.2f} ms ({100 * a['share_of_step']:.1f}% of the step, "
+            f"- TP=2 decode step at batch {batch}: {a['step_ms']:.2f} ms, all-reduce kernels "
+            f"{a['nccl_ms'] + a.get('one_shot_ms', 0.0):.2f} ms (NCCL {a['nccl_ms']:.2f}, "
+            f"one-shot with add + norm {a.get('one_shot_ms', 0.0):.2f}; "
+            f"{100 * a['share_of_step']:.1f}% of the step, "
             f"{100 * a['share_of_gpu']:.1f}% of rank 0's kernel time)"
         )
     return "\n".join(lines)
@@ -523,14 +526,16 @@ def allreduce_share(
     kernel time."""
     total = sum(us for _, us in kernels)
     nccl = sum(us for name, us in kernels if "nccl" in name.lower())
-    nccl_ms = nccl / steps / 1e3
+    one_shot = sum(us for name, us in kernels if "one_shot" in name)
+    reduce_ms = (nccl + one_shot) / steps / 1e3
     return {
         "steps": steps,
         "step_ms": step_ms,
         "gpu_ms": total / steps / 1e3,
-        "nccl_ms": nccl_ms,
-        "share_of_step": nccl_ms / step_ms if step_ms else 0.0,
-        "share_of_gpu": nccl / total if total else 0.0,
+        "nccl_ms": nccl / steps / 1e3,
+        "one_shot_ms": one_shot / steps / 1e3,  # sums fused with the residual add + norm
+        "share_of_step": reduce_ms / step_ms if step_ms else 0.0,
+        "share_of_gpu": (nccl + one_shot) / total if total else 0.0,
     }
 
 
@@ -1754,6 +1759,9 @@ def main(argv: list[str] | None = None) -> int:
         "structured": lambda: phase_structured(ckpt),
         "tp1": lambda: phase_ours(ckpt, "CA"),
         "tp2": lambda: phase_ours(ckpt, "CA", tensor_parallel_size=2),
+        "tp2-nccl": lambda: phase_ours(
+            ckpt, "CA", tensor_parallel_size=2, disable_custom_all_reduce=True
+        ),
         "serve-tp2": lambda: phase_serve(ckpt, out, conc, tensor_parallel_size=2),
         "allreduce": lambda: phase_allreduce(ckpt),
         "decode-kernels": lambda: phase_decode_kernels(ckpt),

@@ -38,6 +38,20 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def add_rms_norm_row(x, res_ptr, w_ptr, out_ptr, offs, mask, hidden, eps):
+    """One row: ``s = (x + residual)`` rounded to the residual's dtype, stored at
+    ``res_ptr``; ``weight * rms_norm(s)`` stored at ``out_ptr``. ``x``: the row in fp32."""
+    r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + offs, s, mask=mask)
+    s = s.to(tl.float32)
+    var = tl.sum(s * s, 0) / hidden
+    normed = (s * tl.rsqrt(var + eps)).to(res_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["num_rows"])
 def _fused_add_rms_norm_kernel(
@@ -55,17 +69,13 @@ def _fused_add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = (offs < hidden) & (row < num_rows)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (x + r).to(res_ptr.dtype.element_ty)
-    tl.store(res_ptr + row * stride_r + offs, s, mask=mask)
-    s = s.to(tl.float32)
-    var = tl.sum(s * s, 0) / hidden
-    normed = (s * tl.rsqrt(var + eps)).to(res_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(x_ptr + row * stride_x + offs, (normed * w).to(x_ptr.dtype.element_ty), mask=mask)
+    add_rms_norm_row(
+        x, res_ptr + row * stride_r, w_ptr, x_ptr + row * stride_x, offs, mask, hidden, eps
+    )
 
 
-def _launch_opts(hidden: int) -> dict[str, int]:
+def row_launch_opts(hidden: int) -> dict[str, int]:
+    """BLOCK (the row padded to a power of two) and warps of a kernel with one program a row."""
     block = next_power_of_2(hidden)
     return {"BLOCK": block, "num_warps": max(1, min(16, block // 512))}
 
@@ -89,7 +99,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             eps,
             x2.stride(0),
             out.stride(0),
-            **_launch_opts(hidden),
+            **row_launch_opts(hidden),
         )
     return out.view(x.shape)
 
@@ -115,7 +125,7 @@ def fused_add_rms_norm(
             eps,
             x2.stride(0),
             r2.stride(0),
-            **_launch_opts(hidden),
+            **row_launch_opts(hidden),
         )
 
 

@@ -4,9 +4,11 @@ The layers receive a ``ParallelState`` when they are built and shard by its ``ra
 ``world_size``; its collectives are no-ops for a single rank, so the same model code
 runs unsharded. ``SINGLE`` is the one-rank state. The collectives are the ones the
 model and the worker need: a sum (row-parallel layers, the vocabulary-parallel
-embedding), a gather along the last dimension (the LM head's logits), a broadcast from
-the driver (the sampled tokens) and a minimum (the KV blocks every rank can hold). On
-CUDA they run on NCCL, inside CUDA graphs too; on the CPU on gloo.
+embedding; fused with the residual add and RMSNorm after a row-parallel layer), a
+gather along the last dimension (the LM head's logits), a broadcast from the driver
+(the sampled tokens) and a minimum (the KV blocks every rank can hold). On CUDA they run
+on NCCL, inside CUDA graphs too, except the sums that ``one_shot`` takes (a kernel
+reading the peers' memory: ``server/distributed/one_shot.py``); on the CPU on gloo.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from kvscale.server.layers import ops
 
 # torch 2.13 renamed all_gather_into_tensor (2.11 has only the old name)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -40,6 +44,7 @@ class ParallelState:
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    one_shot: Any = None  # a OneShotAllReduce for the sums it fits, or None: NCCL only
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -53,8 +58,31 @@ class ParallelState:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums ``x`` over the group, in place; returns it."""
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            if self._one_shot_fits(x):
+                self.one_shot.all_reduce(x)
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        """In place, ``x [T, H]`` being this rank's share of a sum: ``residual <- sum(x) +
+        residual``, ``x <- rms_norm(residual) * weight``. One kernel where ``one_shot``
+        fits x, else the sum then ``fused_add_rms_norm``: the same bits either way."""
+        if self.world_size > 1 and self._one_shot_fits(x):
+            self.one_shot.all_reduce(x, residual, weight, eps)
+            return
+        self.all_reduce(x)
+        ops.fused_add_rms_norm(x, residual, weight, eps)
+
+    def _one_shot_fits(self, x: torch.Tensor) -> bool:
+        # torch.compile traces NCCL's collective (a functional collective), not the kernel
+        return (
+            self.one_shot is not None
+            and not torch.compiler.is_compiling()
+            and self.one_shot.fits(x)
+        )
 
     def all_gather_last_dim(self, x: torch.Tensor, valid: list[int] | None = None) -> torch.Tensor:
         """Concatenates each rank's shard of the last dimension, in rank order, keeping

@@ -235,7 +235,12 @@ def test_tp_table_and_the_all_reduce_share() -> None:
         "serve": {"64": _serve_result(12.0, 4000.0)},
         "serve-tp2": {"64": _serve_result(8.0, 6000.0), "256": _serve_result(9.0, 9000.0)},
         "allreduce": {
-            "1": eb.allreduce_share([("ncclDevKernel_AllReduce", 800.0), ("gemm", 3200.0)], 2, 2.5)
+            "1": eb.allreduce_share([("ncclDevKernel_AllReduce", 800.0), ("gemm", 3200.0)], 2, 2.5),
+            "64": eb.allreduce_share(
+                [("ncclDevKernel_AllReduce", 200.0), ("_one_shot_kernel", 600.0), ("gemm", 3200.0)],
+                2,
+                2.5,
+            ),
         },
     }
     rows = {(r["workload"], r["metric"]): r for r in eb.tp_rows(res)}
@@ -247,11 +252,22 @@ def test_tp_table_and_the_all_reduce_share() -> None:
     share = res["allreduce"]["1"]
     assert share["nccl_ms"] == pytest.approx(0.4) and share["share_of_step"] == pytest.approx(0.16)
     assert share["share_of_gpu"] == pytest.approx(0.2)
+    mixed = res["allreduce"]["64"]  # the one-shot kernel counts as all-reduce time
+    assert mixed["one_shot_ms"] == pytest.approx(0.3) and mixed["share_of_step"] == pytest.approx(
+        0.16
+    )
     text, doc = eb.render_report(res)
     assert "| C batch-1 | TPOT (ms) | 7.00 | 4.20 | 0.60x | <= 0.62x | yes |" in text
     assert "| A 256 x 512/256 | output tok/s | 9000.00 | 13500.00 | 1.50x | >= 1.6x | NO |" in text
     assert "| D serve c=64 | median TPOT (ms) | 12.00 | 8.00 | 0.67x |" in text
-    assert "batch 1: 2.50 ms, NCCL kernels 0.40 ms (16.0% of the step" in text
+    assert (
+        "batch 1: 2.50 ms, all-reduce kernels 0.40 ms (NCCL 0.40, one-shot with add + norm "
+        "0.00; 16.0% of the step" in text
+    )
+    assert (
+        "batch 64: 2.50 ms, all-reduce kernels 0.40 ms (NCCL 0.10, one-shot with add + norm 0.30;"
+        in text
+    )
     assert len(doc["tp_rows"]) == len(rows)
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvscale.server.layers import ops
+from kvscale.server.parallel import ParallelState
 
 
 class RMSNorm(nn.Module):
@@ -15,10 +16,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        partial: ParallelState | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H]``. With ``residual``: returns (norm(x + residual), x + residual)."""
+        """``x [T, H]``. With ``residual``: returns (norm(x + residual), x + residual).
+
+        ``partial``: x is this rank's share of a sum over ``partial``'s ranks (a
+        row-parallel layer's output), summed here first; with ``residual``, in one fused
+        all-reduce + add + RMSNorm where the ranks can (``ParallelState``)."""
         if residual is None:
+            if partial is not None:
+                x = partial.all_reduce(x)
             return ops.rms_norm(x, self.weight, self.eps)
-        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if partial is not None:
+            partial.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+        else:
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual

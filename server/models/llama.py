@@ -34,6 +34,13 @@ def _method(quant: QuantizationConfig | None, prefix: str) -> LinearMethod | Non
     return quant.linear_method(prefix) if quant is not None else None
 
 
+def partial_sum(parallel: ParallelState, bias: bool) -> ParallelState | None:
+    """Who sums a row-parallel layer's output: without a bias (added after the sum), the
+    RMSNorm after it, fused with the residual add (returns the ranks to sum over); with
+    one, the layer itself (None). None for one rank: nothing to sum."""
+    return parallel if parallel.world_size > 1 and not bias else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -62,6 +69,7 @@ class LlamaAttention(nn.Module):
             cfg.o_bias,
             parallel,
             _method(quant, f"{prefix}.o_proj"),
+            reduce_results=cfg.o_bias,  # else the norm after it sums (partial_sum)
         )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -94,7 +102,12 @@ class LlamaMLP(nn.Module):
             _method(quant, f"{prefix}.gate_up_proj"),
         )
         self.down_proj = RowParallelLinear(
-            size, cfg.hidden_size, cfg.mlp_bias, parallel, _method(quant, f"{prefix}.down_proj")
+            size,
+            cfg.hidden_size,
+            cfg.mlp_bias,
+            parallel,
+            _method(quant, f"{prefix}.down_proj"),
+            reduce_results=cfg.mlp_bias,  # else the norm after it sums (partial_sum)
         )
         self.act = SiluAndMul()
 
@@ -115,17 +128,22 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, parallel, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the ranks that the attention's and the MLP's outputs are partial sums over
+        self.attn_partial = partial_sum(parallel, cfg.o_bias)
+        self.mlp_partial = partial_sum(parallel, cfg.mlp_bias)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the embeddings (``residual`` None) or the previous layer's MLP output;
+        returns this layer's MLP output (a partial sum: ``mlp_partial``) and residual."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, self.mlp_partial)
         x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, self.attn_partial)
         return self.mlp(x), residual
 
 
@@ -146,7 +164,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, self.layers[-1].mlp_partial)
         return x
 
 

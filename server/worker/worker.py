@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -179,7 +179,6 @@ class Worker:
     def __init__(self, config: ResolvedConfig, parallel: ParallelState = SINGLE) -> None:
         eng = config.engine
         self.config = config
-        self.parallel = parallel
         self.device = device = config.torch_device
         self.dtype = config.dtype
         self.block_size = eng.block_size
@@ -191,6 +190,19 @@ class Worker:
         # The routing while this worker builds (profiling, calibration, capture); each
         # step sets it again (see forward): another engine in this process may change it.
         ops.use_kernels(use_kernels)
+        if parallel.world_size > 1 and use_kernels and not eng.disable_custom_all_reduce:
+            from kvscale.server.distributed.one_shot import setup_one_shot
+
+            one_shot = setup_one_shot(
+                parallel.group,
+                parallel.rank,
+                parallel.world_size,
+                device,
+                config.model.hidden_size,
+                self.dtype,
+            )  # the Triton path only: its add + norm is the kernels' (ops)
+            parallel = replace(parallel, one_shot=one_shot)
+        self.parallel = parallel
         quant = get_quantization(config.model, eng.quantization)
         if quant is not None:
             log.info("quantization: %s", quant.describe())

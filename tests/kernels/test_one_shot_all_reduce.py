@@ -1,0 +1,139 @@
+"""The one-shot all-reduce kernel, its ranks as real concurrent processes.
+
+On the CPU (Triton interpreter) each rank is a process and the "symmetric buffer" is
+shared memory that every process addresses at its own virtual addresses, which is what
+peer-mapped GPU memory gives each rank; the interpreter's atomics are real atomics, so
+the flag exchange is the kernel's own. On a GPU machine each rank takes its own GPU
+(peer access) when there are enough, else the test is skipped there (the multi-GPU
+engine tests cover it).
+
+Checked: every rank's x equals the rank-order fp32 sum rounded to the dtype (bit for
+bit, and identical over ranks), the fused residual add + RMSNorm gives the bits of the
+unfused path (that sum, then the ``fused_add_rms_norm`` kernel), launches of different
+row counts in sequence reuse both slots, and afterwards every signal is back at 0 and
+each row's counter holds its launches.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvscale.kernels.one_shot_all_reduce import (
+    all_reduce_add_rms_norm_ref,
+    buffer_bytes,
+    one_shot_all_reduce,
+    signal_offset,
+)
+from kvscale.kernels.rmsnorm import fused_add_rms_norm
+from kvscale.kernels.testing import on_native_gpu, tolerances
+
+HIDDEN = 100  # not a power of two: masked lanes
+MAX_ROWS = 6
+LAUNCHES = [(1, False), (3, True), (1, True), (5, False), (3, True), (6, True)]  # (rows, norm)
+EPS = 1e-5
+
+
+def _inputs(world: int, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Every launch's inputs of every rank (same seed in every process)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for rows, norm in LAUNCHES:
+        parts = [torch.randn(rows, HIDDEN, generator=g).to(dtype) for _ in range(world)]
+        residual = torch.randn(rows, HIDDEN, generator=g).to(dtype) if norm else None
+        weight = torch.randn(HIDDEN, generator=g).to(dtype) if norm else None
+        out.append({"parts": parts, "residual": residual, "weight": weight})
+    return out
+
+
+def _rank(rank: int, world: int, dtype: torch.dtype, buffers: list[torch.Tensor], q: Any) -> None:
+    """One rank: every launch of ``LAUNCHES`` in order; puts (rank, results, state)."""
+    try:
+        device = torch.device("cpu")
+        offset = signal_offset(MAX_ROWS, HIDDEN, dtype)
+        data_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+        uses = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        results = []
+        for launch in _inputs(world, dtype):
+            x = launch["parts"][rank].clone()
+            residual = launch["residual"]
+            residual = residual.clone() if residual is not None else None
+            one_shot_all_reduce(
+                x, data_ptrs, data_ptrs + offset, uses, rank, MAX_ROWS, residual,
+                launch["weight"], EPS,
+            )  # fmt: skip
+            results.append((x.numpy(), residual.numpy() if residual is not None else None))
+        signals = buffers[rank][offset:].view(torch.int32).numpy().copy()
+        q.put((rank, results, signals, uses.numpy()))  # by value: the rank may exit first
+    except BaseException as e:  # the parent reports it
+        q.put((rank, f"{type(e).__name__}: {e}", None, None))
+
+
+@pytest.mark.skipif(on_native_gpu(), reason="CPU ranks (interpreter); GPUs: tests/gpu")
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_ranks_get_the_same_exact_sum_and_norm(
+    world: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2]))  # spawned ranks import us
+    nbytes = buffer_bytes(MAX_ROWS, HIDDEN, dtype, world)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world)]
+    ctx = mp.get_context("spawn")  # the interpreter setting travels in the environment
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, dtype, buffers, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + 300  # a lost flag hangs the ranks: fail
+        while len(got) < world:
+            try:
+                rank, results, signals, uses = q.get(timeout=1)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not dead, f"a rank process died: exit codes {dead}"
+                assert time.monotonic() < deadline, f"ranks {set(range(world)) - set(got)} hang"
+                continue
+            assert not isinstance(results, str), f"rank {rank}: {results}"
+            got[rank] = (results, signals, uses)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for i, launch in enumerate(_inputs(world, dtype)):
+        residual = launch["residual"]
+        want_res = residual.clone() if residual is not None else None
+        want = all_reduce_add_rms_norm_ref(launch["parts"])  # the sum
+        if want_res is not None:  # the unfused path: the sum, then the fused add + norm kernel
+            ref_res = want_res.clone()
+            close = all_reduce_add_rms_norm_ref(launch["parts"], ref_res, launch["weight"], EPS)
+            fused_add_rms_norm(want, want_res, launch["weight"], EPS)
+            torch.testing.assert_close(want, close, **tolerances(dtype))
+        for rank in range(world):
+            x, res = got[rank][0][i]
+            assert torch.equal(torch.from_numpy(x), want), f"launch {i}, rank {rank}"
+            if want_res is not None:
+                assert torch.equal(torch.from_numpy(res), want_res), f"launch {i}, rank {rank}"
+    expect_uses = torch.zeros(MAX_ROWS, dtype=torch.int32)
+    for rows, _ in LAUNCHES:
+        expect_uses[:rows] += 1
+    for rank in range(world):
+        _, signals, uses = got[rank]
+        assert not signals.any(), f"rank {rank}: a flag was left set"
+        assert torch.equal(torch.from_numpy(uses), expect_uses)
+
+
+def test_sums_must_fit_the_buffer() -> None:
+    x = torch.zeros(MAX_ROWS + 1, HIDDEN)
+    ptrs = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="at most 6"):
+        one_shot_all_reduce(x, ptrs, ptrs, torch.zeros(MAX_ROWS, dtype=torch.int32), 0, MAX_ROWS)

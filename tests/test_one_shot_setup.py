@@ -1,0 +1,96 @@
+"""The one-shot all-reduce's set-up and dispatch on the CPU (the kernel itself:
+``tests/kernels/test_one_shot_all_reduce.py``; on GPUs: ``tests/gpu/test_one_shot_cuda.py``).
+
+- ``setup_one_shot`` on two gloo ranks: every rank gets None (not a GPU), after a vote
+  that does not hang; ``ParallelState`` then sums over gloo and normalizes with the bits
+  of the unfused path.
+- ``OneShotAllReduce.fits``: only ``[T <= max_rows, hidden]`` in its dtype and device.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HIDDEN = 64
+
+
+def _rank(rank: int, port: int, q: Any) -> None:
+    try:
+        import torch.distributed as dist
+
+        from kvscale.kernels.rmsnorm import fused_add_rms_norm_ref
+        from kvscale.server.distributed.one_shot import setup_one_shot
+        from kvscale.server.parallel import ParallelState
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
+        comm = setup_one_shot(None, rank, 2, torch.device("cpu"), HIDDEN, torch.float32)
+        g = torch.Generator().manual_seed(3)
+        parts = [torch.randn(5, HIDDEN, generator=g) for _ in range(2)]
+        residual, weight = torch.randn(5, HIDDEN, generator=g), torch.randn(HIDDEN, generator=g)
+        x, r = parts[rank].clone(), residual.clone()
+        ParallelState(rank, 2, None, comm).all_reduce_add_rms_norm(x, r, weight, 1e-5)
+        want_x, want_r = parts[0] + parts[1], residual.clone()
+        fused_add_rms_norm_ref(want_x, want_r, weight, 1e-5)
+        ok = torch.equal(x, want_x) and torch.equal(r, want_r)
+        dist.destroy_process_group()
+        q.put((rank, comm, ok))
+    except BaseException as e:
+        q.put((rank, f"{type(e).__name__}: {e}", False))
+
+
+def test_cpu_ranks_agree_on_nccl_and_sum_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))  # spawned ranks import us
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[Any, bool]] = {}
+    deadline = time.monotonic() + 120
+    try:
+        while len(got) < 2:
+            try:
+                rank, comm, ok = q.get(timeout=1)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not dead, f"a rank process died: exit codes {dead}"
+                assert time.monotonic() < deadline, "the ranks hang"
+                continue
+            got[rank] = (comm, ok)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: (None, True), 1: (None, True)}, got
+
+
+class _Handle:
+    buffer_ptrs = (1 << 20, 2 << 20)  # addresses are only copied to the device here
+
+
+def test_fits_only_its_rows_width_dtype_and_device() -> None:
+    from kvscale.server.distributed.one_shot import OneShotAllReduce
+
+    comm = OneShotAllReduce(0, 2, HIDDEN, torch.float16, 16, torch.zeros(8), _Handle())
+    assert comm.data_ptrs.tolist() == [1 << 20, 2 << 20]
+    assert comm.fits(torch.zeros(16, HIDDEN, dtype=torch.float16))
+    assert comm.fits(torch.zeros(1, HIDDEN, dtype=torch.float16))
+    assert not comm.fits(torch.zeros(17, HIDDEN, dtype=torch.float16))  # more rows than held
+    assert not comm.fits(torch.zeros(4, HIDDEN + 1, dtype=torch.float16))
+    assert not comm.fits(torch.zeros(4, HIDDEN, dtype=torch.float32))
+    assert not comm.fits(torch.zeros(HIDDEN, 4, dtype=torch.float16).t())  # strided rows
+    assert not comm.fits(torch.zeros(2, 4, HIDDEN, dtype=torch.float16))
