@@ -94,3 +94,36 @@ def test_fits_only_its_rows_width_dtype_and_device() -> None:
     assert not comm.fits(torch.zeros(4, HIDDEN, dtype=torch.float32))
     assert not comm.fits(torch.zeros(HIDDEN, 4, dtype=torch.float16).t())  # strided rows
     assert not comm.fits(torch.zeros(2, 4, HIDDEN, dtype=torch.float16))
+
+
+def test_row_alignment() -> None:
+    from kvscale.kernels.one_shot_all_reduce import row_alignment
+
+    assert row_alignment(4096, 2) == 8  # bf16 rows of 8 KiB: 16-byte vectors
+    assert row_alignment(4096, 4) == 4
+    assert row_alignment(100, 4) == 4
+    assert row_alignment(100, 2) == 1  # rows 200 bytes apart: no alignment to promise
+
+
+def test_the_kernel_moves_rows_in_16_byte_vectors() -> None:
+    """Compiled for sm_90 here (no GPU needed): the peer row loads and the copy into the
+    own buffer are 16-byte vector accesses, not 2-byte ones (lease r18's kernel)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvscale.kernels.one_shot_all_reduce import _one_shot_kernel
+
+    names = ["x_ptr", "res_ptr", "w_ptr", "data_ptrs", "signal_ptrs", "uses_ptr"]
+    sig = dict(zip(names, ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*i32"], strict=True))
+    sig |= {n: "i32" for n in ("hidden", "max_rows", "stride_x", "stride_r")} | {"eps": "fp32"}
+    consts = {"RANK": 0, "WORLD": 2, "NORM": True, "ALIGN": 8, "BLOCK": 4096}
+    sig |= {n: "constexpr" for n in consts}
+    # what a launch specializes: pointers and sizes divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)}
+    src = ASTSource(fn=_one_shot_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    peer_loads = [line for line in ptx.splitlines() if "ld.volatile.global" in line]
+    own_stores = [line for line in ptx.splitlines() if "st.global" in line]
+    assert peer_loads and all(".v4.b32" in line for line in peer_loads), peer_loads[:3]
+    assert not [line for line in own_stores if ".b16" in line], own_stores[:3]
