@@ -75,9 +75,11 @@ plan_x2() {
   bench serve-tp 600 serve,serve-tp2 --concurrency 64,256
 }
 
-# Issue 24 on 2 GPUs, 2026-11-27: the one-shot all-reduce (kernel test against NCCL, its
-# time alone per row count), then TP=1 vs TP=2 with it and TP=2 without it (NCCL only) in
-# one run, the TP=2 GPU tests and D at TP=2.
+# Issue 24 on 2 GPUs: the one-shot all-reduce (kernel test against NCCL, its time alone
+# per row count: where it stops beating NCCL), then TP=1 vs TP=2 with it and TP=2 without
+# it (NCCL only) in one run, the TP=2 GPU tests and D at TP=2. r18b ran it without the
+# all-reduce and serve-tp steps; r18 (the first version) also ran tests/kernels/
+# test_elementwise.py beside ckpt. About 17 minutes.
 plan_tp() {
   facts
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
@@ -85,14 +87,11 @@ plan_tp() {
    step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
   step tests-one-shot 240 "${pt[@]}" tests/gpu/test_one_shot_cuda.py
   wait
+  step all-reduce 240 python3 bench/all_reduce.py --out-dir "$RES"
   bench tp 400 ceilings,tp1,tp2,tp2-nccl,allreduce
   step tests-tp 400 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
+  bench serve-tp 600 serve,serve-tp2 --concurrency 64,256
 }
-
-# r18 (first call of plan_tp, before the fixes of r18b): it also ran
-#   step tests-kernels ... tests/kernels/test_elementwise.py (GPU 0, beside ckpt)
-#   step all-reduce 240 python3 bench/all_reduce.py --out-dir "$RES"   (after the tests)
-#   bench serve-tp 600 serve,serve-tp2 --concurrency 64,256           (last; not reached)
 
 # Issue 23 on one GPU (about 25 minutes): the GPU tests this round changed, then the
 # measurements in priority order (the 2-GPU lease of 2026-11-26 ran every other GPU test).

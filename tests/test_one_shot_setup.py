@@ -9,15 +9,12 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
 import socket
-import time
-from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
+
+from tests.spawned_ranks import run_ranks
 
 HIDDEN = 64
 
@@ -43,38 +40,16 @@ def _rank(rank: int, port: int, q: Any) -> None:
         fused_add_rms_norm_ref(want_x, want_r, weight, 1e-5)
         ok = torch.equal(x, want_x) and torch.equal(r, want_r)
         dist.destroy_process_group()
-        q.put((rank, comm, ok))
+        q.put((rank, (comm, ok)))
     except BaseException as e:
-        q.put((rank, f"{type(e).__name__}: {e}", False))
+        q.put((rank, f"{type(e).__name__}: {e}"))
 
 
-def test_cpu_ranks_agree_on_nccl_and_sum_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))  # spawned ranks import us
+def test_cpu_ranks_agree_on_nccl_and_sum_as_before() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[Any, bool]] = {}
-    deadline = time.monotonic() + 120
-    try:
-        while len(got) < 2:
-            try:
-                rank, comm, ok = q.get(timeout=1)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"a rank process died: exit codes {dead}"
-                assert time.monotonic() < deadline, "the ranks hang"
-                continue
-            got[rank] = (comm, ok)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_rank, 2, (port,), timeout_s=120)
     assert got == {0: (None, True), 1: (None, True)}, got
 
 

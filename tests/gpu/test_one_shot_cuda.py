@@ -16,16 +16,14 @@ in bf16 and fp32:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import socket
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.spawned_ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -142,32 +140,9 @@ def _rank(rank: int, port: int, dtype: torch.dtype, q: Any) -> None:
 def test_one_shot_equals_nccl_bit_for_bit(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[2]))  # spawned ranks import us
     for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, dtype, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got: dict[int, list[str]] = {}
-    deadline = time.monotonic() + 240
-    try:
-        while len(got) < 2:
-            try:
-                rank, bad = q.get(timeout=1)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"a rank process died: exit codes {dead}"
-                assert time.monotonic() < deadline, "the ranks hang"
-                continue
-            got[rank] = bad
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_rank, 2, (_free_port(), dtype), timeout_s=240)
     assert got == {0: [], 1: []}, got
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"

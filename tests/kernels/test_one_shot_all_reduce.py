@@ -16,11 +16,7 @@ each row's counter holds its launches.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +30,7 @@ from kvscale.kernels.one_shot_all_reduce import (
 )
 from kvscale.kernels.rmsnorm import fused_add_rms_norm
 from kvscale.kernels.testing import on_native_gpu, tolerances
+from tests.spawned_ranks import run_ranks
 
 HIDDEN = 100  # not a power of two: masked lanes
 MAX_ROWS = 6
@@ -54,7 +51,7 @@ def _inputs(world: int, dtype: torch.dtype) -> list[dict[str, Any]]:
 
 
 def _rank(rank: int, world: int, dtype: torch.dtype, buffers: list[torch.Tensor], q: Any) -> None:
-    """One rank: every launch of ``LAUNCHES`` in order; puts (rank, results, state)."""
+    """One rank: every launch of ``LAUNCHES`` in order, then its flags and counters."""
     try:
         device = torch.device("cpu")
         offset = signal_offset(MAX_ROWS, HIDDEN, dtype)
@@ -71,44 +68,21 @@ def _rank(rank: int, world: int, dtype: torch.dtype, buffers: list[torch.Tensor]
             )  # fmt: skip
             results.append((x.numpy(), residual.numpy() if residual is not None else None))
         signals = buffers[rank][offset:].view(torch.int32).numpy().copy()
-        q.put((rank, results, signals, uses.numpy()))  # by value: the rank may exit first
+        q.put((rank, (results, signals, uses.numpy())))
     except BaseException as e:  # the parent reports it
-        q.put((rank, f"{type(e).__name__}: {e}", None, None))
+        q.put((rank, f"{type(e).__name__}: {e}"))
 
 
 @pytest.mark.skipif(on_native_gpu(), reason="CPU ranks (interpreter); GPUs: tests/gpu")
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_ranks_get_the_same_exact_sum_and_norm(
-    world: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[2]))  # spawned ranks import us
+def test_ranks_get_the_same_exact_sum_and_norm(world: int, dtype: torch.dtype) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # travels to the ranks in the environment
     nbytes = buffer_bytes(MAX_ROWS, HIDDEN, dtype, world)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world)]
-    ctx = mp.get_context("spawn")  # the interpreter setting travels in the environment
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, dtype, buffers, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + 300  # a lost flag hangs the ranks: fail
-        while len(got) < world:
-            try:
-                rank, results, signals, uses = q.get(timeout=1)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"a rank process died: exit codes {dead}"
-                assert time.monotonic() < deadline, f"ranks {set(range(world)) - set(got)} hang"
-                continue
-            assert not isinstance(results, str), f"rank {rank}: {results}"
-            got[rank] = (results, signals, uses)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_rank, world, (world, dtype, buffers), timeout_s=300)
+    for rank, result in got.items():
+        assert not isinstance(result, str), f"rank {rank}: {result}"
     for i, launch in enumerate(_inputs(world, dtype)):
         residual = launch["residual"]
         want_res = residual.clone() if residual is not None else None
