@@ -39,21 +39,20 @@ import triton.language as tl
 
 from kvscale.kernels.rmsnorm import add_rms_norm_row, fused_add_rms_norm_ref, row_launch_opts
 
-SIGNAL_DTYPE = torch.int32
 SLOTS = 2
 
 
-def buffer_bytes(max_rows: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
-    """Bytes of one rank's symmetric buffer: the data slots, then the signals (16-byte
-    aligned)."""
-    data = SLOTS * max_rows * hidden * torch.empty((), dtype=dtype).element_size()
-    return -(-data // 16) * 16 + max_rows * world_size * 4
-
-
 def signal_offset(max_rows: int, hidden: int, dtype: torch.dtype) -> int:
-    """Byte offset of the signals in a buffer of :func:`buffer_bytes`."""
+    """Byte offset of the signals in a buffer of :func:`buffer_bytes`: after the data
+    slots, rounded up to 16 bytes."""
     data = SLOTS * max_rows * hidden * torch.empty((), dtype=dtype).element_size()
     return -(-data // 16) * 16
+
+
+def buffer_bytes(max_rows: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
+    """Bytes of one rank's symmetric buffer: the data slots, then ``[max_rows, W]`` int32
+    signals."""
+    return signal_offset(max_rows, hidden, dtype) + max_rows * world_size * 4
 
 
 def row_alignment(hidden: int, elem_bytes: int) -> int:

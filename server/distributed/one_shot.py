@@ -9,8 +9,8 @@ the same launch: on 2 x H200 (``bench/all_reduce.py``, NOTES e28) 5.7 us against
 norm's 8.3 us for one row and about even at 16 rows, but 18 against 12 us at 64 rows and
 56 against 30 at 256. That kernel moved rows 2 bytes at a time (Triton could not see the
 alignment of addresses loaded from memory); they are now hinted, 16-byte vectors, not yet
-measured. So it takes sums of up to ``MAX_ROWS`` rows (decode and verify steps of small batches) of
-the model's hidden size in the model's dtype; larger ones stay on NCCL.
+measured. So it takes sums of up to ``MAX_ROWS`` rows (decode and verify steps of small
+batches) of the model's hidden size in the model's dtype; larger ones stay on NCCL.
 
 The buffer comes from PyTorch's symmetric memory (``torch.distributed._symmetric_memory``:
 peer-mapped allocations exchanged through the process group's store); multicast stays
