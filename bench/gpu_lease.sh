@@ -88,7 +88,9 @@ plan_tp() {
   step tests-one-shot 240 "${pt[@]}" tests/gpu/test_one_shot_cuda.py
   wait
   step all-reduce 240 python3 bench/all_reduce.py --out-dir "$RES"
-  bench tp 400 ceilings,tp1,tp2,tp2-nccl,allreduce
+  bench tp 400 ceilings,tp1,tp2,tp2-nccl
+  # a process of its own: only a process's first TP engine sets up the one-shot path
+  bench tp-profile 200 allreduce
   step tests-tp 400 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
   bench serve-tp 600 serve,serve-tp2 --concurrency 64,256
 }
