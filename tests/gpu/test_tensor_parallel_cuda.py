@@ -5,6 +5,8 @@
 - TP=2 greedy tokens equal TP=1's in fp32 (Triton kernels, decode CUDA graphs on) for
   Llama (2 KV heads split, 1 KV head replicated, odd vocabulary) and Qwen2, under forced
   chunked prefill and preemption; decode steps really replay graphs.
+- With the one-shot all-reduce (a process of its own: only a process's first TP engine
+  sets it up), TP=2 greedy tokens equal TP=1's in fp32.
 - The decode graphs hold the all-reduces: a graph-replay step launches no all-reduce
   from the host (only the token broadcast), and graphs give eager's tokens up to near
   ties (fp32).
@@ -132,6 +134,34 @@ def test_tp2_fp32_greedy_equals_tp1_with_cuda_graphs(
     assert not bad, f"prompts {bad} differ: {got[bad[0]]} vs {ref[bad[0]]}"
     for key, value in NCCL_ENV.items():  # the engine set them before NCCL started
         assert os.environ[key] == value
+
+
+def _one_shot_tokens(rank: int, path: str, q: Any) -> None:
+    """In a process of its own (only a process's first TP engine sets up the one-shot
+    all-reduce): TP=2 greedy tokens, and whether the one-shot path was on."""
+    try:
+        llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, **STRESS)
+        on = llm.engine.worker.worker.parallel.one_shot is not None
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        llm.engine.core.shutdown()
+        q.put((rank, (on, tokens)))
+    except BaseException as e:
+        q.put((rank, (f"{type(e).__name__}: {e}", None)))
+
+
+def test_tp2_with_the_one_shot_all_reduce_equals_tp1(
+    checkpoint_factory: Callable[..., Path],
+) -> None:
+    """Decode steps of up to 16 rows sum in the one-shot kernel (fused with the add and
+    norm), 32-token prefill chunks over NCCL: the greedy tokens stay TP=1's."""
+    from tests.spawned_ranks import run_ranks
+
+    path = checkpoint_factory("gpu-tp-llama", **ARCHES["llama"])
+    ref = _run(path, dtype="float32", **STRESS)
+    on, got = run_ranks(_one_shot_tokens, 1, (str(path),), timeout_s=600)[0]
+    assert on is True, on
+    bad = [i for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r]
+    assert not bad, f"prompts {bad} differ: {got[bad[0]]} vs {ref[bad[0]]}"
 
 
 def test_decode_graphs_hold_the_all_reduces(checkpoint_factory: Callable[..., Path]) -> None:
