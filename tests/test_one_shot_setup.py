@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import torch
 
-from tests.spawned_ranks import run_ranks
+from tests.spawned_ranks import free_port, run_ranks
 
 HIDDEN = 64
 
@@ -46,10 +45,7 @@ def _rank(rank: int, port: int, q: Any) -> None:
 
 
 def test_cpu_ranks_agree_on_nccl_and_sum_as_before() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    got = run_ranks(_rank, 2, (port,), timeout_s=120)
+    got = run_ranks(_rank, 2, (free_port(),), timeout_s=120)
     assert got == {0: (None, True), 1: (None, True)}, got
 
 

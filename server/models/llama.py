@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
             cfg.o_bias,
             parallel,
             _method(quant, f"{prefix}.o_proj"),
-            reduce_results=cfg.o_bias,  # else the norm after it sums (partial_sum)
+            reduce_results=partial_sum(parallel, cfg.o_bias) is None,
         )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -107,7 +107,7 @@ class LlamaMLP(nn.Module):
             cfg.mlp_bias,
             parallel,
             _method(quant, f"{prefix}.down_proj"),
-            reduce_results=cfg.mlp_bias,  # else the norm after it sums (partial_sum)
+            reduce_results=partial_sum(parallel, cfg.mlp_bias) is None,
         )
         self.act = SiluAndMul()
 

@@ -17,13 +17,12 @@ in bf16 and fp32:
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import pytest
 import torch
 
-from tests.spawned_ranks import run_ranks
+from tests.spawned_ranks import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -32,12 +31,6 @@ pytestmark = pytest.mark.skipif(
 HIDDEN = 4096
 EPS = 1e-5
 ROWS = [1, 2, 7, 16, 64, 256, 512]  # past MAX_ROWS too (the kernel takes any count)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _check(rank: int, port: int, dtype: torch.dtype) -> list[str]:
@@ -143,6 +136,6 @@ def test_one_shot_equals_nccl_bit_for_bit(
     for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1"}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
-    got = run_ranks(_rank, 2, (_free_port(), dtype), timeout_s=240)
+    got = run_ranks(_rank, 2, (free_port(), dtype), timeout_s=240)
     assert got == {0: [], 1: []}, got
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
