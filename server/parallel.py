@@ -70,10 +70,11 @@ class ParallelState:
         """In place, ``x [T, H]`` being this rank's share of a sum: ``residual <- sum(x) +
         residual``, ``x <- rms_norm(residual) * weight``. One kernel where ``one_shot``
         fits x, else the sum then ``fused_add_rms_norm``: the same bits either way."""
-        if self.world_size > 1 and self._one_shot_fits(x):
-            self.one_shot.all_reduce(x, residual, weight, eps)
-            return
-        self.all_reduce(x)
+        if self.world_size > 1:
+            if self._one_shot_fits(x):
+                self.one_shot.all_reduce(x, residual, weight, eps)
+                return
+            dist.all_reduce(x, group=self.group)  # (fits is asked once a sum)
         ops.fused_add_rms_norm(x, residual, weight, eps)
 
     def _one_shot_fits(self, x: torch.Tensor) -> bool:
