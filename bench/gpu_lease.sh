@@ -424,6 +424,13 @@ plan_r17() {
   bench serve-pw 420 serve-piecewise --piecewise-concurrency 256
 }
 
+# r19 (issue 24, and issue 18's sidecar overhead on that host): plan_tp with the sidecar's
+# round trip timed first (CPU only, a few seconds).
+plan_r19() {
+  step sidecar 60 python3 bench/profile_sidecar.py --model-ms 0,7.8 --steps 200
+  plan_tp
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
