@@ -431,6 +431,23 @@ plan_r19() {
   plan_tp
 }
 
+# r19b: r19's TP=2 engines ended their processes in "terminate called" (exit 134) and a
+# TP=2 serve engine did not stop in 10 s: bench/tp_shutdown.py's variants say where;
+# then the one-shot path for sums of up to 2,048 rows (r19's sweep: it beats NCCL at
+# every size to 2,048): C, A, the TP tests, D.
+plan_r19b() {
+  facts
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  (export CUDA_VISIBLE_DEVICES=0
+   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
+  step tp-shutdown 240 python3 bench/tp_shutdown.py --out-dir "$RES" --hang-s 45 \
+    --variants one-shot,nccl,one-shot-released,one-shot-no-leave
+  wait
+  bench tp 300 ceilings,tp1,tp2,tp2-nccl
+  step tests-tp 330 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
+  bench serve-tp 300 serve,serve-tp2 --concurrency 64,256
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

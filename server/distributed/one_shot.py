@@ -5,12 +5,11 @@ At batch 1 a decode step of an 8B model at TP=2 makes 65 all-reduces of 8 KiB; N
 take ~6.3 us each on 2 x H200 (NOTES e9), 0.42 ms a step, and each is followed by a
 residual add + RMSNorm kernel. The one-shot kernel makes every rank read the others'
 rows straight from their memory after one flag exchange, and does the add and norm in
-the same launch: on 2 x H200 (``bench/all_reduce.py``, NOTES e28) 5.7 us against NCCL +
-norm's 8.3 us for one row and about even at 16 rows, but 18 against 12 us at 64 rows and
-56 against 30 at 256. That kernel moved rows 2 bytes at a time (Triton could not see the
-alignment of addresses loaded from memory); they are now hinted, 16-byte vectors, not yet
-measured. So it takes sums of up to ``MAX_ROWS`` rows (decode and verify steps of small
-batches) of the model's hidden size in the model's dtype; larger ones stay on NCCL.
+the same launch. On 2 x H200 (``bench/all_reduce.py``, lease r19, NOTES e29), one-shot +
+norm against NCCL + norm, per launch: 6.2 against 8.4 us at 1 row, 12.5 against 29.5 at
+256 rows, 63 against 89 at 2,048 (r18's kernel, which moved rows 2 bytes at a time, lost
+from 32 rows on). So it takes sums of up to ``MAX_ROWS`` rows (every decode step and most
+mixed ones) of the model's hidden size in the model's dtype; larger ones stay on NCCL.
 
 The buffer comes from PyTorch's symmetric memory (``torch.distributed._symmetric_memory``:
 peer-mapped allocations exchanged through the process group's store); multicast stays
@@ -41,7 +40,8 @@ from kvscale.kernels.one_shot_all_reduce import buffer_bytes, one_shot_all_reduc
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # rows (tokens) one sum may have (see above); 256 KiB at H = 4096 in bf16
+MAX_ROWS = 2048  # rows (tokens) one sum may have (measured up to here); 32 MiB a rank at
+# H = 4096 in bf16 (two slots a row)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -152,8 +152,9 @@ def _one_shot_tokens(rank: int, path: str, q: Any) -> None:
 def test_tp2_with_the_one_shot_all_reduce_equals_tp1(
     checkpoint_factory: Callable[..., Path],
 ) -> None:
-    """Decode steps of up to 16 rows sum in the one-shot kernel (fused with the add and
-    norm), 32-token prefill chunks over NCCL: the greedy tokens stay TP=1's."""
+    """Every sum of up to ``MAX_ROWS`` rows (decode steps and the 32-token prefill
+    chunks) in the one-shot kernel, fused with the add and norm: the greedy tokens stay
+    TP=1's."""
     from tests.spawned_ranks import run_ranks
 
     path = checkpoint_factory("gpu-tp-llama", **ARCHES["llama"])
