@@ -440,12 +440,33 @@ plan_r19b() {
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
   (export CUDA_VISIBLE_DEVICES=0
    step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
+  # r19b ran tp_shutdown.py as of 614399e: variants one-shot, nccl, one-shot-released
+  # (failed: a frozen dataclass), one-shot-no-leave
   step tp-shutdown 240 python3 bench/tp_shutdown.py --out-dir "$RES" --hang-s 45 \
-    --variants one-shot,nccl,one-shot-released,one-shot-no-leave
+    --variants one-shot,nccl,no-leave
   wait
   bench tp 300 ceilings,tp1,tp2,tp2-nccl
   step tests-tp 330 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
   bench serve-tp 300 serve,serve-tp2 --concurrency 64,256
+}
+
+# Next 2-GPU lease (issue 24, ~12 minutes): the shutdown with the graphs dropped first
+# (tp_shutdown: one-shot and nccl should leave the group in well under 10 s, keep-graphs
+# should not), the TP tests (the fp32 test now checks the shutdown), then D at TP=2
+# twice, to see D c=256's spread (r19 14.35 ms with 16 rows, r19b 16.26 with 2,048).
+plan_r20() {
+  facts
+  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+  (export CUDA_VISIBLE_DEVICES=0
+   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
+  step tp-shutdown 240 python3 bench/tp_shutdown.py --out-dir "$RES" --hang-s 45 \
+    --variants one-shot,nccl,keep-graphs
+  wait
+  step tests-tp 330 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
+  bench serve-tp 300 serve,serve-tp2 --concurrency 64,256
+  mkdir -p "$RES/again"
+  step serve-tp2-again 200 python3 bench/engine_bench.py --out-dir "$RES/again" \
+    --ckpt "$CKPT" --phases serve-tp2 --concurrency 64,256
 }
 
 case "$1" in

@@ -1,13 +1,18 @@
 """How a tensor-parallel engine's process ends, on 2 GPUs (issue 24; diagnosis).
 
-Lease r19 (2 x H200): every process that had run a TP=2 engine with the one-shot
-all-reduce ended in "terminate called without an active exception" (exit 134), and a
-TP=2 ``kvscale serve`` engine process did not stop within 10 s of SIGTERM; NCCL-only
-engines (r18b) exited 0. Per variant, in a process of its own, an ``LLM`` at TP=2 on a
-small random checkpoint generates, shuts its engine down and exits; printed: the exit
-code, the seconds the shutdown and its ``leave_group`` took, the symmetric-memory
-backend, whether "terminate called" was printed, and for a process still alive after
-``--hang-s`` py-spy's native stacks of it and its children (then it is killed).
+Lease r19 (2 x H200): processes that had run TP=2 engines ended in "terminate called
+without an active exception" (exit 134), and a TP=2 ``kvscale serve`` engine process did
+not stop within 10 s of SIGTERM. r19b ran this script: in every variant, one-shot or
+NCCL only, ``leave_group`` waited out its whole 10 s (``destroy_process_group`` hung), and
+skipping it made the shutdown take 0.27 s: NCCL's teardown waits for the CUDA graphs that
+hold its collectives (pytorch#115388). The engine now drops its graphs first
+(``Worker.release_graphs``); ``keep-graphs`` does not, to show the difference.
+
+Per variant, in a process of its own, an ``LLM`` at TP=2 on a small random checkpoint
+generates, shuts its engine down and exits; printed: the exit code, the seconds the
+shutdown and its ``leave_group`` took, the symmetric-memory backend, whether "terminate
+called" was printed, and for a process still alive after ``--hang-s`` py-spy's native
+stacks of it and its children (then it is killed).
 
     python bench/tp_shutdown.py [--out-dir DIR] [--variants one-shot,nccl,...]
 """
@@ -26,16 +31,13 @@ from pathlib import Path
 VARIANTS = {
     "one-shot": "the default: the one-shot all-reduce on",
     "nccl": "--disable-custom-all-reduce: NCCL only",
-    "one-shot-released": "rank 0 drops its one-shot buffer before the shutdown",
-    "one-shot-no-leave": "the shutdown skips leave_group (destroy_process_group)",
-    "one-shot-no-implicit-pool": "TORCH_SYMMMEM_IMPLICIT_POOL=0 in every process",
+    "keep-graphs": "the one-shot all-reduce on, the CUDA graphs kept through the shutdown",
+    "no-leave": "the one-shot all-reduce on, the shutdown skips leave_group",
 }
 
 
 def child(path: str, variant: str) -> None:
     """One TP=2 engine: generate, shut down, exit (a line of JSON on stdout)."""
-    import gc
-
     import torch
 
     import kvscale.server.distributed.driver as driver
@@ -46,11 +48,15 @@ def child(path: str, variant: str) -> None:
 
     def timed_leave(*a: object, **kw: object) -> None:
         t = time.monotonic()
-        if variant != "one-shot-no-leave":
+        if variant != "no-leave":
             leave(*a, **kw)
         times["leave_group_s"] = time.monotonic() - t
 
     driver.leave_group = timed_leave
+    if variant == "keep-graphs":
+        from kvscale.server.worker.worker import Worker
+
+        Worker.release_graphs = lambda self: None  # type: ignore[method-assign]
     llm = LLM(path, device="cuda", dtype="bfloat16", tensor_parallel_size=2,
               disable_custom_all_reduce=variant == "nccl")  # fmt: skip
     parallel = llm.engine.worker.worker.parallel
@@ -61,14 +67,12 @@ def child(path: str, variant: str) -> None:
         backend = symm_mem.get_backend(torch.device("cuda", 0))
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     llm.generate([[1, 2, 3, 4]] * 4, params)
-    if variant == "one-shot-released" and parallel.one_shot is not None:
-        parallel.one_shot = None
-        gc.collect()
-        torch.cuda.synchronize()
     t = time.monotonic()
     llm.engine.core.shutdown()
     times["shutdown_s"] = time.monotonic() - t
-    print(json.dumps({"one_shot": backend is not None, "backend": backend, **times}), flush=True)
+    left = not torch.distributed.is_initialized()
+    print(json.dumps({"one_shot": backend is not None, "backend": backend, "left_group": left,
+                      **times}), flush=True)  # fmt: skip
 
 
 def native_stacks(pid: int) -> str:
@@ -84,8 +88,6 @@ def native_stacks(pid: int) -> str:
 
 def run_variant(path: str, variant: str, hang_s: float) -> dict:
     env = dict(os.environ)
-    if variant == "one-shot-no-implicit-pool":
-        env["TORCH_SYMMMEM_IMPLICIT_POOL"] = "0"
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, __file__, "--child", path, variant], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip

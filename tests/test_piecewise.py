@@ -403,6 +403,12 @@ def test_steps_replayed_from_fixed_inputs_match_eager(
     finally:
         _ReplayingGraph.replay = replay  # type: ignore[method-assign]
     assert replays > 0 and replays % len(pieces) == 0
+    # the engine stopping (a tensor-parallel worker, before it leaves its process group):
+    # no graph is left, and a later step runs eagerly with the same tokens
+    w.release_graphs()
+    assert all(p.captured_sizes == [] for p in pieces)
+    assert w.dispatcher.dispatch(16) == Dispatch("eager", 0)
+    assert _tokens(llm) == eager_tokens
 
 
 def test_modes_without_piecewise_graphs_build_none(llama_ckpt: Path) -> None:

@@ -82,6 +82,11 @@ class CapturedPiece:
         # makes the graph of a capture; tests swap in one that records and re-runs
         self.graph_factory: Callable[[], Any] = lambda: CudaGraph(self.pool)
 
+    def drop_graphs(self) -> None:
+        """Drops this piece's captured graphs; a later run of a bucket captures again."""
+        for entry in self.entries.values():
+            entry.graph = entry.output = None
+
     @property
     def captured_sizes(self) -> list[int]:
         return sorted(b for b, e in self.entries.items() if e.graph is not None)

@@ -311,6 +311,10 @@ class DriverWorker:
         if self._closing:
             return
         self._closing = True
+        worker = self.__dict__.get("worker")
+        if worker is not None and self._failure is None:  # no collective left waiting
+            with contextlib.suppress(Exception):
+                worker.release_graphs()  # else NCCL's teardown waits for them
         self._finalizer()
 
     @property

@@ -103,6 +103,11 @@ class DecodeGraphs:
             time.perf_counter() - start,
         )
 
+    def release(self) -> None:
+        """Drops every captured graph (the engine is stopping: nothing replays them)."""
+        self.graphs.clear()
+        self.logits.clear()
+
     def graph_size(self, n: int) -> int | None:
         """The smallest captured batch size >= n, or None if n is too large."""
         for bs in self.batch_sizes:

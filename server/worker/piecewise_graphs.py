@@ -200,6 +200,11 @@ class PiecewiseGraphs:
             sync()  # as torch.cuda.graph does before capturing
             self._forward(b, b, graphs=True, capture=True)
 
+    def release(self) -> None:
+        """Drops every piece's captured graphs (the engine is stopping)."""
+        for piece in self.compile_backend.pieces:
+            piece.drop_graphs()
+
     # ---- one step -----------------------------------------------------------------------
     def run(self, step: StepInput, dev: dict[str, torch.Tensor], bucket: int) -> torch.Tensor:
         """The step (``n <= bucket`` tokens of ``B`` sequences, unpadded device inputs)

@@ -313,6 +313,20 @@ class Worker:
             self.model.model = pw.compiled
         return pw
 
+    def release_graphs(self) -> None:
+        """Drops the captured CUDA graphs (decode and piecewise): the engine is stopping.
+        NCCL's communicator teardown waits until no graph holds its collectives
+        (pytorch#115388: ``destroy_process_group`` hung for the whole 10 s that
+        ``leave_group`` gives it on 2 x H200, lease r19b), so a tensor-parallel worker
+        drops them before it leaves the process group. Later steps run eagerly."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = None
+        self.dispatcher = GraphDispatcher((), ())
+
     # ---- KV pool -------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:

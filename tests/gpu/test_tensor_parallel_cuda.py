@@ -4,7 +4,8 @@
 
 - TP=2 greedy tokens equal TP=1's in fp32 (Triton kernels, decode CUDA graphs on) for
   Llama (2 KV heads split, 1 KV head replicated, odd vocabulary) and Qwen2, under forced
-  chunked prefill and preemption; decode steps really replay graphs.
+  chunked prefill and preemption; decode steps really replay graphs; the shutdown then
+  leaves the process group within 5 s (the graphs dropped first).
 - With the one-shot all-reduce (a process of its own: only a process's first TP engine
   sets it up), TP=2 greedy tokens equal TP=1's in fp32.
 - The decode graphs hold the all-reduces: a graph-replay step launches no all-reduce
@@ -71,11 +72,15 @@ def _release_gpu_memory() -> Iterator[None]:
     torch.cuda.empty_cache()
 
 
-def _free(llm: LLM) -> None:
+def _free(llm: LLM) -> float:
+    """Shuts the engine down; returns the seconds that took."""
+    start = time.monotonic()
     llm.engine.core.shutdown()  # stops rank 1, leaves the process group (TP=1: nothing)
+    seconds = time.monotonic() - start
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+    return seconds
 
 
 def _run(path: Path, prompts: list[list[int]] = PROMPTS, params: SamplingParams = GREEDY,
@@ -129,9 +134,11 @@ def test_tp2_fp32_greedy_equals_tp1_with_cuda_graphs(
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
     finally:
-        _free(llm)
+        shutdown_s = _free(llm)
     bad = [i for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r]
     assert not bad, f"prompts {bad} differ: {got[bad[0]]} vs {ref[bad[0]]}"
+    # the graphs dropped first, NCCL's teardown does not wait out leave_group's 10 s
+    assert not torch.distributed.is_initialized() and shutdown_s < 5, shutdown_s
     for key, value in NCCL_ENV.items():  # the engine set them before NCCL started
         assert os.environ[key] == value
 
