@@ -450,10 +450,11 @@ plan_r19b() {
   bench serve-tp 300 serve,serve-tp2 --concurrency 64,256
 }
 
-# Next 2-GPU lease (issue 24, ~12 minutes): the shutdown with the graphs dropped first
+# Next 2-GPU lease (issue 24, ~15 minutes): the shutdown with the graphs dropped first
 # (tp_shutdown: one-shot and nccl should leave the group in well under 10 s, keep-graphs
-# should not), the TP tests (the fp32 test now checks the shutdown), then D at TP=2
-# twice, to see D c=256's spread (r19 14.35 ms with 16 rows, r19b 16.26 with 2,048).
+# should not); the one-shot kernel's push version (its GPU test, the per-launch sweep
+# against r19's pull numbers, C and A); the TP tests (the fp32 test now checks the
+# shutdown); D at TP=2 twice, to see D c=256's spread (r19 14.35 ms, r19b 16.26).
 plan_r20() {
   facts
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
@@ -462,6 +463,9 @@ plan_r20() {
   step tp-shutdown 240 python3 bench/tp_shutdown.py --out-dir "$RES" --hang-s 45 \
     --variants one-shot,nccl,keep-graphs
   wait
+  step tests-one-shot 240 "${pt[@]}" tests/gpu/test_one_shot_cuda.py
+  step all-reduce 240 python3 bench/all_reduce.py --out-dir "$RES"
+  bench tp 300 ceilings,tp1,tp2,tp2-nccl
   step tests-tp 330 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
   bench serve-tp 300 serve,serve-tp2 --concurrency 64,256
   mkdir -p "$RES/again"

@@ -1,34 +1,44 @@
 """One-shot all-reduce over peer-mapped GPU memory, optionally fused with the residual add
 and RMSNorm that follow a row-parallel layer.
 
-For the tensor-parallel ranks of one node whose GPUs read each other's memory (NVLink
-or PCIe peer access). Every rank allocates the same *symmetric* buffer and knows the
-device address of every rank's copy (``server/distributed/one_shot.py`` sets it up):
+For the tensor-parallel ranks of one node whose GPUs read and write each other's memory
+(NVLink or PCIe peer access). Every rank allocates the same *symmetric* buffer and knows
+the device address of every rank's copy (``server/distributed/one_shot.py`` sets it up):
 
-    data:     ``[2, max_rows, H]`` in the activation dtype: two slots per row
-    signals:  ``[max_rows, W]`` int32, 0 at rest; ``signals_i[r, j]`` is 1 while rank j's
-              flag for row r waits for rank i to take it
+    data:     ``[2, max_rows, W, H]`` in the activation dtype: two slots per row, and in
+              each the row as every rank sent it
+    signals:  ``[max_rows, W]`` int32, 0 at first; ``signals_i[r, j]`` is the epoch (the
+              launch count of row r, 1-based) of the last row r that rank j sent rank i
     uses:     ``[max_rows]`` int32, this rank's own count of the launches that held row r
               (never read by the other ranks)
 
-Program r (one per row) of rank i, for ``x [T, H]`` with T <= max_rows:
-  1. ``slot = uses[r] % 2``; copies row r of x into its own ``data[slot, r]``;
-  2. meets program r of every other rank j: compare-and-swaps ``signals_j[r, i]`` from 0
-     to 1 (release, system scope; retried while rank j has not taken the previous flag
-     yet), then ``signals_i[r, j]`` from 1 back to 0 (acquire) once rank j's flag is there;
-  3. sums ``data_j[slot, r]`` over j = 0..W-1 in rank order, in fp32, and rounds it to the
-     dtype: every rank gets the same bits (the sum NCCL returns for two ranks);
-  4. without a norm: x <- the sum. With one (``residual``, ``weight``): as
+Program r (one per row) of rank i, for ``x [T, H]`` with T <= max_rows (*push*: every
+access to another GPU's memory is a write, which does not wait for an answer):
+  1. ``use = uses[r]``, ``slot = use & 1``, ``epoch = use + 1`` (int32, wrapping);
+  2. writes row r of x into ``data_j[slot, r, i]`` of every other rank j, then (release,
+     system scope) ``epoch`` into ``signals_j[r, i]``;
+  3. waits (acquire, system scope) until every ``signals_i[r, j]`` has reached ``epoch``
+     (compared as ``flag - epoch >= 0``, so the count may wrap);
+  4. sums its own row and the rows in its own ``data_i[slot, r, j]`` in rank order, in
+     fp32, rounded to the dtype: every rank gets the same bits (the sum NCCL returns for
+     two ranks);
+  5. without a norm: x <- the sum. With one (``residual``, ``weight``): as
      ``fused_add_rms_norm(sum, residual, weight, eps)`` (kernels/rmsnorm.py), bit for bit:
      residual <- sum + residual, x <- weight * rms_norm(residual);
-  5. ``uses[r] += 1``.
+  6. ``uses[r] = use + 1``.
 
-One meeting per launch is enough: a rank writes ``data[slot, r]`` again two launches of
-row r later, after the meeting of the launch between, and every peer's flag for that
-meeting was sent after the peer's previous launch (the one reading the slot) finished.
-All state is on the device (no host-side counter), so CUDA graphs replay it as is. Every
-rank must launch the same sequence of row counts (tensor-parallel ranks run the same
-steps); a rank that never arrives leaves the others waiting, as NCCL would.
+Why this is safe with two slots and no acknowledgement: rank i writes ``data_j[slot, r,
+i]`` again two launches of row r later, after waiting (launch between) for rank j's
+epoch, which rank j sent after its launch that read the slot had finished (launches on
+one stream run in order). A flag may move on by one epoch before its reader looks (the
+reader needs "reached", not "equal"), and the rows of that later epoch are in the other
+slot. All state is on the device (no host-side counter), so CUDA graphs replay it as is.
+Every rank must launch the same sequence of row counts (tensor-parallel ranks run the
+same steps); a rank that never arrives leaves the others waiting, as NCCL would.
+
+r18/r19 (2 x H200) ran the earlier *pull* version of this kernel (each rank copied its
+row into its own buffer, compare-and-swapped a flag in each peer's memory and read the
+peers' rows over NVLink: two round trips to another GPU per launch).
 """
 
 from __future__ import annotations
@@ -42,17 +52,18 @@ from kvscale.kernels.rmsnorm import add_rms_norm_row, fused_add_rms_norm_ref, ro
 SLOTS = 2
 
 
-def signal_offset(max_rows: int, hidden: int, dtype: torch.dtype) -> int:
+def signal_offset(max_rows: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
     """Byte offset of the signals in a buffer of :func:`buffer_bytes`: after the data
     slots, rounded up to 16 bytes."""
-    data = SLOTS * max_rows * hidden * torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=dtype).element_size()
+    data = SLOTS * max_rows * world_size * hidden * elem
     return -(-data // 16) * 16
 
 
 def buffer_bytes(max_rows: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
     """Bytes of one rank's symmetric buffer: the data slots, then ``[max_rows, W]`` int32
     signals."""
-    return signal_offset(max_rows, hidden, dtype) + max_rows * world_size * 4
+    return signal_offset(max_rows, hidden, dtype, world_size) + max_rows * world_size * 4
 
 
 def row_alignment(hidden: int, elem_bytes: int) -> int:
@@ -89,34 +100,38 @@ def _one_shot_kernel(
     mask = offs < hidden
     dtype = x_ptr.dtype.element_ty
     use = tl.load(uses_ptr + row)
-    at = ((use % 2) * max_rows + row).to(tl.int64) * hidden
-    if ALIGN > 1:  # rows start on 16-byte boundaries: 16-byte loads and stores
-        at = tl.multiple_of(at, ALIGN)
+    epoch = use + 1
+    base = ((use & 1) * max_rows + row).to(tl.int64) * WORLD  # data[slot, row, 0]
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
-    mine = tl.multiple_of(mine, 16)  # symmetric allocations are 16-byte aligned at least
-    tl.store(mine + at + offs, x, mask=mask)
-    tl.debug_barrier()  # the whole row is written before the flag goes out
-    my_signals = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32))
+    mine = tl.multiple_of(tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)), 16)
+    sent = (base + RANK) * hidden  # where the peers keep this rank's row
+    if ALIGN > 1:  # rows start on 16-byte boundaries: 16-byte loads and stores
+        sent = tl.multiple_of(sent, ALIGN)
+    for j in tl.static_range(WORLD):
+        if j != RANK:
+            peer = tl.multiple_of(tl.load(data_ptrs + j).to(tl.pointer_type(dtype)), 16)
+            tl.store(peer + sent + offs, x, mask=mask)
+    tl.debug_barrier()  # the whole row is on its way before the flags go out
     for j in tl.static_range(WORLD):
         if j != RANK:
             theirs = tl.load(signal_ptrs + j).to(tl.pointer_type(tl.int32))
-            flag = theirs + row * WORLD + RANK
-            while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
-                pass
+            tl.atomic_xchg(theirs + row * WORLD + RANK, epoch, sem="release", scope="sys")
+    my_signals = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32))
     for j in tl.static_range(WORLD):
         if j != RANK:
             flag = my_signals + row * WORLD + j
-            while tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") != 1:
+            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
                 pass
-    tl.debug_barrier()  # no thread reads a peer's row before the flags are in
+    tl.debug_barrier()  # no thread reads a peer's row before its flag is in
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(WORLD):
         if j == RANK:
             acc += x.to(tl.float32)
         else:
-            peer = tl.multiple_of(tl.load(data_ptrs + j).to(tl.pointer_type(dtype)), 16)
-            acc += tl.load(peer + at + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            at = (base + j) * hidden
+            if ALIGN > 1:
+                at = tl.multiple_of(at, ALIGN)
+            acc += tl.load(mine + at + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
     total = acc.to(dtype).to(tl.float32)
     if NORM:
         add_rms_norm_row(
@@ -124,7 +139,7 @@ def _one_shot_kernel(
         )
     else:
         tl.store(x_ptr + row * stride_x + offs, total.to(dtype), mask=mask)
-    tl.store(uses_ptr + row, use + 1)
+    tl.store(uses_ptr + row, epoch)
 
 
 def one_shot_all_reduce(

@@ -77,8 +77,9 @@ def test_row_alignment() -> None:
 
 
 def test_the_kernel_moves_rows_in_16_byte_vectors() -> None:
-    """Compiled for sm_90 here (no GPU needed): the peer row loads and the copy into the
-    own buffer are 16-byte vector accesses, not 2-byte ones (lease r18's kernel)."""
+    """Compiled for sm_90 here (no GPU needed): the row stores into the peers' buffers
+    and the loads of the peers' rows from the own buffer are 16-byte vector accesses,
+    not 2-byte ones (lease r18's kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -94,7 +95,16 @@ def test_the_kernel_moves_rows_in_16_byte_vectors() -> None:
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)}
     src = ASTSource(fn=_one_shot_kernel, signature=sig, constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    peer_loads = [line for line in ptx.splitlines() if "ld.volatile.global" in line]
-    own_stores = [line for line in ptx.splitlines() if "st.global" in line]
-    assert peer_loads and all(".v4.b32" in line for line in peer_loads), peer_loads[:3]
-    assert not [line for line in own_stores if ".b16" in line], own_stores[:3]
+    row_loads = [line for line in ptx.splitlines() if "ld.volatile.global" in line]
+    stores = [line for line in ptx.splitlines() if "st.global" in line]
+    assert row_loads and all(".v4.b32" in line for line in row_loads), row_loads[:3]
+    assert stores and not [line for line in stores if ".b16" in line], stores[:3]
+
+
+def test_the_buffer_budget_limits_rows_for_wide_models_and_many_ranks() -> None:
+    from kvscale.server.distributed.one_shot import MAX_BUFFER_BYTES, rows_within_budget
+
+    assert rows_within_budget(4096, torch.bfloat16, 2) == 2048  # Llama-3.1-8B at TP=2
+    assert rows_within_budget(4096, torch.float32, 2) == 1024
+    assert rows_within_budget(8192, torch.bfloat16, 8) == 256  # 70B at TP=8
+    assert rows_within_budget(8192, torch.bfloat16, 8) * 2 * 8 * 8192 * 2 <= MAX_BUFFER_BYTES

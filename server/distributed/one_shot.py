@@ -3,13 +3,15 @@ its symmetric buffer, whether it runs, and which sums it takes.
 
 At batch 1 a decode step of an 8B model at TP=2 makes 65 all-reduces of 8 KiB; NCCL's
 take ~6.3 us each on 2 x H200 (NOTES e9), 0.42 ms a step, and each is followed by a
-residual add + RMSNorm kernel. The one-shot kernel makes every rank read the others'
-rows straight from their memory after one flag exchange, and does the add and norm in
-the same launch. On 2 x H200 (``bench/all_reduce.py``, lease r19, NOTES e29), one-shot +
-norm against NCCL + norm, per launch: 6.2 against 8.4 us at 1 row, 12.5 against 29.5 at
-256 rows, 63 against 89 at 2,048 (r18's kernel, which moved rows 2 bytes at a time, lost
-from 32 rows on). So it takes sums of up to ``MAX_ROWS`` rows (every decode step and most
-mixed ones) of the model's hidden size in the model's dtype; larger ones stay on NCCL.
+residual add + RMSNorm kernel. In the one-shot kernel every rank writes its rows
+straight into the others' memory with a flag after them, waits for theirs in its own,
+and does the add and norm in the same launch. On 2 x H200 (``bench/all_reduce.py``, lease
+r19, NOTES e29; the kernel's earlier pull version), one-shot + norm against NCCL + norm,
+per launch: 6.2 against 8.4 us at 1 row, 12.5 against 29.5 at 256 rows, 63 against 89 at
+2,048 (r18's kernel, which moved rows 2 bytes at a time, lost from 32 rows on). So it
+takes sums of up to ``MAX_ROWS`` rows (every decode step and most mixed ones; fewer past
+``MAX_BUFFER_BYTES``) of the model's hidden size in the model's dtype; larger ones stay
+on NCCL.
 
 The buffer comes from PyTorch's symmetric memory (``torch.distributed._symmetric_memory``:
 peer-mapped allocations exchanged through the process group's store); multicast stays
@@ -40,8 +42,8 @@ from kvscale.kernels.one_shot_all_reduce import buffer_bytes, one_shot_all_reduc
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 2048  # rows (tokens) one sum may have (measured up to here); 32 MiB a rank at
-# H = 4096 in bf16 (two slots a row)
+MAX_ROWS = 2048  # rows (tokens) one sum may have (measured up to here)
+MAX_BUFFER_BYTES = 64 << 20  # a rank's data slots: fewer rows for wide models or many ranks
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -69,7 +71,7 @@ class OneShotAllReduce:
         self._handle = handle
         ptrs = [int(p) for p in handle.buffer_ptrs]
         self.data_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
-        offset = signal_offset(max_rows, hidden, dtype)
+        offset = signal_offset(max_rows, hidden, dtype, world_size)
         self.signal_ptrs = self.data_ptrs + offset
         self.uses = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
 
@@ -125,6 +127,13 @@ class OneShotAllReduce:
 _set_up_in_this_process = False  # see the module docstring
 
 
+def rows_within_budget(hidden: int, dtype: torch.dtype, world_size: int) -> int:
+    """The most rows whose data slots (two per row, a copy from every rank) fit in
+    ``MAX_BUFFER_BYTES``: 2,048 at H = 4096 in bf16 on 2 ranks, 256 at H = 8192 on 8."""
+    row_bytes = 2 * world_size * hidden * torch.empty((), dtype=dtype).element_size()
+    return MAX_BUFFER_BYTES // row_bytes
+
+
 def _agree(ok: bool, group: Any, device: torch.device) -> bool:
     """True only if every rank passes ``ok``."""
     t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
@@ -150,14 +159,18 @@ def setup_one_shot(
     max_rows: int = MAX_ROWS,
 ) -> OneShotAllReduce | None:
     """Collective over ``group`` (None: the default group): every rank gets a working
-    ``OneShotAllReduce``, or every rank gets None (why is logged)."""
+    ``OneShotAllReduce`` for sums of up to ``max_rows`` rows (fewer if the buffer would
+    pass ``MAX_BUFFER_BYTES``), or every rank gets None (why is logged)."""
     global _set_up_in_this_process
     group = group if group is not None else dist.group.WORLD
     reason: str | None = None
+    max_rows = min(max_rows, rows_within_budget(hidden, dtype, world_size))
     if device.type != "cuda":
         reason = f"device {device} is not a GPU"
     elif dtype not in DTYPES:
         reason = f"dtype {dtype} (it takes {', '.join(str(d) for d in DTYPES)})"
+    elif max_rows < 1:
+        reason = f"not one row of {hidden} x {world_size} ranks fits {MAX_BUFFER_BYTES} bytes"
     elif _set_up_in_this_process:
         reason = "an earlier tensor-parallel engine of this process set it up (one per process)"
     else:

@@ -10,8 +10,9 @@ engine tests cover it).
 Checked: every rank's x equals the rank-order fp32 sum rounded to the dtype (bit for
 bit, and identical over ranks), the fused residual add + RMSNorm gives the bits of the
 unfused path (that sum, then the ``fused_add_rms_norm`` kernel), launches of different
-row counts in sequence reuse both slots, and afterwards every signal is back at 0 and
-each row's counter holds its launches.
+row counts in sequence reuse both slots, and afterwards each row's counter holds its
+launches and every peer's flag for the row that count (its last epoch). A launch count
+about to wrap (int32) starts the counters of one run: the slots and epochs wrap with it.
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ def _inputs(world: int, dtype: torch.dtype) -> list[dict[str, Any]]:
     return out
 
 
-def _rank(rank: int, world: int, dtype: torch.dtype, buffers: list[torch.Tensor], q: Any) -> None:
-    """One rank: every launch of ``LAUNCHES`` in order, then its flags and counters."""
+def _rank(
+    rank: int, world: int, dtype: torch.dtype, start: int, buffers: list[torch.Tensor], q: Any
+) -> None:
+    """One rank: every launch of ``LAUNCHES`` in order (every row's launch count starting
+    at ``start``), then its flags and counters."""
     try:
         device = torch.device("cpu")
-        offset = signal_offset(MAX_ROWS, HIDDEN, dtype)
+        offset = signal_offset(MAX_ROWS, HIDDEN, dtype, world)
         data_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-        uses = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        uses = torch.full((MAX_ROWS,), start, dtype=torch.int32, device=device)
         results = []
         for launch in _inputs(world, dtype):
             x = launch["parts"][rank].clone()
@@ -77,10 +81,21 @@ def _rank(rank: int, world: int, dtype: torch.dtype, buffers: list[torch.Tensor]
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_ranks_get_the_same_exact_sum_and_norm(world: int, dtype: torch.dtype) -> None:
+    _check_ranks(world, dtype, start=0)
+
+
+@pytest.mark.skipif(on_native_gpu(), reason="CPU ranks (interpreter); GPUs: tests/gpu")
+def test_launch_counts_may_wrap() -> None:
+    """Counters 3 launches short of int32's end: rows 0-2 cross it (slot and epoch wrap
+    on every rank alike) and still sum exactly."""
+    _check_ranks(2, torch.float32, start=2**31 - 3)
+
+
+def _check_ranks(world: int, dtype: torch.dtype, start: int) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"  # travels to the ranks in the environment
     nbytes = buffer_bytes(MAX_ROWS, HIDDEN, dtype, world)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world)]
-    got = run_ranks(_rank, world, (world, dtype, buffers), timeout_s=300)
+    got = run_ranks(_rank, world, (world, dtype, start, buffers), timeout_s=300)
     for rank, result in got.items():
         assert not isinstance(result, str), f"rank {rank}: {result}"
     for i, launch in enumerate(_inputs(world, dtype)):
@@ -97,12 +112,18 @@ def test_ranks_get_the_same_exact_sum_and_norm(world: int, dtype: torch.dtype) -
             assert torch.equal(torch.from_numpy(x), want), f"launch {i}, rank {rank}"
             if want_res is not None:
                 assert torch.equal(torch.from_numpy(res), want_res), f"launch {i}, rank {rank}"
-    expect_uses = torch.zeros(MAX_ROWS, dtype=torch.int32)
+    counts = torch.zeros(MAX_ROWS, dtype=torch.int64)
     for rows, _ in LAUNCHES:
-        expect_uses[:rows] += 1
+        counts[:rows] += 1
+    wrapped = (counts + start + 2**31) % 2**32 - 2**31  # int32 arithmetic
+    expect_uses = wrapped.to(torch.int32)
     for rank in range(world):
         _, signals, uses = got[rank]
-        assert not signals.any(), f"rank {rank}: a flag was left set"
+        # every peer's flag for row r holds row r's last epoch: its launch count
+        want_signals = expect_uses[:, None].expand(MAX_ROWS, world).clone()
+        want_signals[:, rank] = 0  # a rank sends itself nothing
+        assert torch.equal(torch.from_numpy(signals[: MAX_ROWS * world]).view(MAX_ROWS, world),
+                           want_signals), f"rank {rank}"  # fmt: skip
         assert torch.equal(torch.from_numpy(uses), expect_uses)
 
 
