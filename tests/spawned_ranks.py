@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -19,13 +18,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = str(Path(__file__).parents[1])  # spawned ranks import the test module from here
-
-
-def free_port() -> int:
-    """A loopback TCP port free now, for the ranks' rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(

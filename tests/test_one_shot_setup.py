@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from tests.spawned_ranks import free_port, run_ranks
+from tests.ports import free_port
+from tests.spawned_ranks import run_ranks
 
 HIDDEN = 64
 

@@ -26,7 +26,6 @@ import contextlib
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -43,15 +42,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvscale import bench_serve
 from kvscale.operator import constants as c
 from tests.k8s_emulator.runner import EmulatorThread
+from tests.ports import free_port
 
 APPS = "apps/v1"
 START_TIMEOUT_S = 120.0  # a few servers importing torch at once on 2 slow cores
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_until(fn: Callable[[], Any], timeout: float, what: str, period: float = 0.1) -> Any:

@@ -32,13 +32,13 @@ from tests.autoscaling.harness import (
     ScrapeTarget,
     ServerProcesses,
     background,
-    free_port,
     llmd_manifest,
     read_metrics,
     wait_until,
 )
 from tests.k8s_emulator.runner import EmulatorThread
 from tests.operator.harness import Operator, emulated_cluster
+from tests.ports import free_port
 
 NS = "ml"
 NAME = "demo"

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscale.operator import constants as c
 from kvscale.operator.leader import lease_name
-from tests.autoscaling.harness import FakeKubelet, free_port, llmd_manifest
+from tests.autoscaling.harness import FakeKubelet, llmd_manifest
 from tests.k8s_emulator.runner import EmulatorThread
 from tests.operator.harness import (
     Kubectl,
@@ -32,6 +32,7 @@ from tests.operator.harness import (
     used_permissions,
     wait_for,
 )
+from tests.ports import free_port
 
 NS, NAME = "ml", "auto"
 APPS = "apps/v1"

@@ -20,9 +20,10 @@ import pytest
 import yaml
 
 from kvscale.operator import constants as c
-from tests.autoscaling.harness import APPS, ColdStartKubelet, free_port, wait_until
+from tests.autoscaling.harness import APPS, ColdStartKubelet, wait_until
 from tests.k8s_emulator.runner import EmulatorThread
 from tests.operator.harness import Operator, emulated_cluster
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 NS, NAME = "ml", "cold"

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.spawned_ranks import free_port, run_ranks
+from tests.ports import free_port
+from tests.spawned_ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"

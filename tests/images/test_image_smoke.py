@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -28,6 +27,7 @@ import yaml
 from tests.k8s_emulator.runner import EmulatorThread
 from tests.operator.conftest import ROOT
 from tests.operator.harness import Kubectl, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.skipif(
     shutil.which("buildah") is None or os.environ.get("KVSCALE_SKIP_IMAGES") == "1",
@@ -133,12 +133,6 @@ class Container:
         subprocess.run(["buildah", *DRIVER, "rm", self.id], env=ENV, capture_output=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -210,7 +204,7 @@ def test_server_image_serves_drains_and_writes_only_tmp(server: Container, tmp_p
     server.assert_no_build_settings()
     before = server.snapshot()
     assert len(before) > 1000  # the image's whole root (torch alone has thousands of files)
-    port = _free_port()  # the image's CMD with its port moved off 8000 (shared host network)
+    port = free_port()  # the image's CMD with its port moved off 8000 (shared host network)
     log = tmp_path / "server.log"
     proc = server.run([*server.entrypoint, *server.cmd, "--port", str(port)], log=log)
     try:
@@ -260,7 +254,7 @@ def _route_through_the_router(server: Container, upstream: str, tmp_path: Path) 
     """The image's ``kvscale route`` (spec.router's pods run it) in front of the server."""
     import openai
 
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "router.log"
     cmd = ["kvscale", "route", "--upstream", upstream, "--port", str(port), "--policy", "prefix"]
     proc = server.run(cmd, log=log)
@@ -303,7 +297,7 @@ def test_operator_image_reconciles_an_example(images: dict[str, str], tmp_path: 
             kubectl(
                 "apply", "-f", "-", input="apiVersion: v1\nkind: Namespace\nmetadata:\n  name: ml\n"
             )
-            port = _free_port()
+            port = free_port()
             cmd = [
                 a
                 if not a.startswith("--liveness=")

