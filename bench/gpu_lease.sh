@@ -25,6 +25,16 @@ facts() {  # the machine: GPU and CPU
   lscpu > "$RES/lscpu.txt" 2>&1
 }
 
+# pytest as the plans run it: pytest-timeout gives each hung test its stack
+PT=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
+
+ckpt_beside() {  # ckpt_beside NAME SECONDS COMMAND...: a step while GPU 0 writes the checkpoint
+  (export CUDA_VISIBLE_DEVICES=0
+   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
+  step "$@"
+  wait
+}
+
 install_tree() {  # install_tree DIR NAME: DIR's kvscale, editable, in place of the current
   (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e .) \
     > "$RES/install-$2.log" 2>&1
@@ -82,16 +92,12 @@ plan_x2() {
 # test_elementwise.py beside ckpt. About 17 minutes.
 plan_tp() {
   facts
-  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  (export CUDA_VISIBLE_DEVICES=0
-   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
-  step tests-one-shot 240 "${pt[@]}" tests/gpu/test_one_shot_cuda.py
-  wait
+  ckpt_beside tests-one-shot 240 "${PT[@]}" tests/gpu/test_one_shot_cuda.py
   step all-reduce 240 python3 bench/all_reduce.py --out-dir "$RES"
   bench tp 400 ceilings,tp1,tp2,tp2-nccl
   # a process of its own: only a process's first TP engine sets up the one-shot path
   bench tp-profile 200 allreduce
-  step tests-tp 400 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
+  step tests-tp 400 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py
   bench serve-tp 600 serve,serve-tp2 --concurrency 64,256
 }
 
@@ -437,16 +443,12 @@ plan_r19() {
 # every size to 2,048): C, A, the TP tests, D.
 plan_r19b() {
   facts
-  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  (export CUDA_VISIBLE_DEVICES=0
-   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
   # r19b ran tp_shutdown.py as of 614399e: variants one-shot, nccl, one-shot-released
   # (failed: a frozen dataclass), one-shot-no-leave
-  step tp-shutdown 240 python3 bench/tp_shutdown.py --out-dir "$RES" --hang-s 45 \
+  ckpt_beside tp-shutdown 240 python3 bench/tp_shutdown.py --out-dir "$RES" --hang-s 45 \
     --variants one-shot,nccl,no-leave
-  wait
   bench tp 300 ceilings,tp1,tp2,tp2-nccl
-  step tests-tp 330 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
+  step tests-tp 330 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py
   bench serve-tp 300 serve,serve-tp2 --concurrency 64,256
 }
 
@@ -457,16 +459,12 @@ plan_r19b() {
 # shutdown); D at TP=2 twice, to see D c=256's spread (r19 14.35 ms, r19b 16.26).
 plan_r20() {
   facts
-  local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  (export CUDA_VISIBLE_DEVICES=0
-   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
-  step tp-shutdown 240 python3 bench/tp_shutdown.py --out-dir "$RES" --hang-s 45 \
+  ckpt_beside tp-shutdown 240 python3 bench/tp_shutdown.py --out-dir "$RES" --hang-s 45 \
     --variants one-shot,nccl,keep-graphs
-  wait
-  step tests-one-shot 240 "${pt[@]}" tests/gpu/test_one_shot_cuda.py
+  step tests-one-shot 240 "${PT[@]}" tests/gpu/test_one_shot_cuda.py
   step all-reduce 240 python3 bench/all_reduce.py --out-dir "$RES"
   bench tp 300 ceilings,tp1,tp2,tp2-nccl
-  step tests-tp 330 "${pt[@]}" tests/gpu/test_tensor_parallel_cuda.py
+  step tests-tp 330 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py
   bench serve-tp 300 serve,serve-tp2 --concurrency 64,256
   mkdir -p "$RES/again"
   step serve-tp2-again 200 python3 bench/engine_bench.py --out-dir "$RES/again" \
