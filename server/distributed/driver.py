@@ -313,8 +313,10 @@ class DriverWorker:
         self._closing = True
         worker = self.__dict__.get("worker")
         if worker is not None and self._failure is None:  # no collective left waiting
-            with contextlib.suppress(Exception):
+            try:
                 worker.release_graphs()  # else NCCL's teardown waits for them
+            except Exception:  # the shutdown goes on: leave_group gives up after 10 s
+                log.exception("dropping rank 0's CUDA graphs before leaving the group failed")
         self._finalizer()
 
     @property
