@@ -181,6 +181,9 @@ class BodyLimit:
         if declared is not None and declared > limit:
             await _too_large(limit, declared, scope, receive, send)
             return
+        if declared is not None:  # the server reads no more than that: nothing to count,
+            await self.app(scope, receive, send)  # and no wrapper on a stream's every send
+            return
         received = 0
         started = refused = False
 

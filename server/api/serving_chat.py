@@ -28,6 +28,7 @@ from kvscale.server.api.protocol import (
 )
 from kvscale.server.api.serving_common import (
     SSE_DONE,
+    ChunkEvents,
     cache_salt,
     check_stream_options,
     clamp_logprob,
@@ -233,25 +234,7 @@ async def _stream(
     done: set[int] = set()  # choices whose finish chunk was sent
     usage = UsageInfo()
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: Any, stop: Any) -> str:
-        return sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                        "stop_reason": stop,
-                    }
-                ],
-                **({"usage": None} if include_usage else {}),
-            }
-        )
+    chunk = ChunkEvents(rid, "chat.completion.chunk", created, model, "delta", include_usage)
 
     try:
         async for out in group:

@@ -259,6 +259,35 @@ def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
+class ChunkEvents:
+    """The server-sent events of one stream's chunks, each with one choice: ``{"id", "object",
+    "created", "model", "choices": [{"index", FIELD, "logprobs", "finish_reason",
+    "stop_reason"}], ("usage": null)}``. The parts that never change are encoded once, so a
+    chunk JSON-encodes only its own values: the text ``sse`` gives for the whole object
+    (every value escaped on its own), at a fraction of its cost per token (NOTES e32)."""
+
+    def __init__(
+        self, rid: str, obj: str, created: int, model: str, field: str, include_usage: bool
+    ) -> None:
+        self._head = (
+            f'data: {{"id":{dumps(rid)},"object":{dumps(obj)},"created":{int(created)},'
+            f'"model":{dumps(model)},"choices":[{{"index":'
+        )
+        self._field = f',"{field}":'
+        self._tail = "}]" + (',"usage":null' if include_usage else "") + "}\n\n"
+
+    def __call__(self, index: int, value: Any, logprobs: Any, finish: Any, stop: Any) -> str:
+        return (
+            f"{self._head}{int(index)}{self._field}{dumps(value)},"
+            f'"logprobs":{_or_null(logprobs)},"finish_reason":{_or_null(finish)},'
+            f'"stop_reason":{_or_null(stop)}{self._tail}'
+        )
+
+
+def _or_null(value: Any) -> str:
+    return "null" if value is None else dumps(value)
+
+
 def sse_failure(e: BaseException) -> str:
     """The error event that ends a stream the engine could not finish."""
     err = engine_error(e)

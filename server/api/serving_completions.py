@@ -26,6 +26,7 @@ from kvscale.server.api.protocol import (
 )
 from kvscale.server.api.serving_common import (
     SSE_DONE,
+    ChunkEvents,
     cache_salt,
     check_request_size,
     check_stream_options,
@@ -281,25 +282,7 @@ async def _stream(
     completion_tokens: dict[int, int] = {}
     done: set[int] = set()  # choices whose finish chunk was sent
 
-    def chunk(index: int, text: str, logprobs: object, finish: str | None, stop: object) -> str:
-        return sse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                        "stop_reason": stop,
-                    }
-                ],
-                **({"usage": None} if include_usage else {}),
-            }
-        )
+    chunk = ChunkEvents(rid, "text_completion", created, model, "text", include_usage)
 
     try:
         if echo and not echo_later:
