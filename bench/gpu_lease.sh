@@ -471,6 +471,26 @@ plan_r20() {
     --ckpt "$CKPT" --phases serve-tp2 --concurrency 64,256
 }
 
+# Next single-GPU lease (issue 23, on an H100: its targets are H100 figures; ~15 minutes):
+# the baseline workloads on HEAD with repeats, which the issue asks for (C, A and B three
+# times, D at c=64 and 256 twice: spread, not one run), after the engine's GPU tests.
+plan_r21() {
+  facts
+  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py
+  local i
+  for i in 1 2 3; do
+    mkdir -p "$RES/ours-$i"
+    step "ours-$i" 200 python3 bench/engine_bench.py --out-dir "$RES/ours-$i" --ckpt "$CKPT" \
+      --phases ceilings,ours
+  done
+  for i in 1 2; do
+    mkdir -p "$RES/serve-$i"
+    step "serve-$i" 240 python3 bench/engine_bench.py --out-dir "$RES/serve-$i" --ckpt "$CKPT" \
+      --phases serve --concurrency 64,256
+  done
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
