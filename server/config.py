@@ -270,8 +270,8 @@ class EngineConfig:
     disable_custom_all_reduce: bool = setting(
         False,
         "with tensor parallelism on GPUs: every all-reduce on NCCL, none in the one-shot "
-        "kernel that reads the other GPUs' memory (sums of up to 16 tokens, fused with "
-        "the residual add and RMSNorm after them)",
+        "kernel that writes into the other GPUs' memory (sums of up to 2,048 tokens, fused "
+        "with the residual add and RMSNorm after them)",
     )
     # True: step() returns every request's state each step (servers stream it);
     # False: only finished requests, and text is detokenized once at the end.
