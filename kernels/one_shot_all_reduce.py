@@ -52,11 +52,15 @@ from kvscale.kernels.rmsnorm import add_rms_norm_row, fused_add_rms_norm_ref, ro
 SLOTS = 2
 
 
+def data_bytes_per_row(hidden: int, dtype: torch.dtype, world_size: int) -> int:
+    """Bytes of one row's data slots in a rank's buffer (both slots, every rank's copy)."""
+    return SLOTS * world_size * hidden * dtype.itemsize
+
+
 def signal_offset(max_rows: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
     """Byte offset of the signals in a buffer of :func:`buffer_bytes`: after the data
     slots, rounded up to 16 bytes."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    data = SLOTS * max_rows * world_size * hidden * elem
+    data = max_rows * data_bytes_per_row(hidden, dtype, world_size)
     return -(-data // 16) * 16
 
 

@@ -38,7 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvscale.kernels.one_shot_all_reduce import buffer_bytes, one_shot_all_reduce, signal_offset
+from kvscale.kernels.one_shot_all_reduce import (
+    buffer_bytes,
+    data_bytes_per_row,
+    one_shot_all_reduce,
+    signal_offset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +135,7 @@ _set_up_in_this_process = False  # see the module docstring
 def rows_within_budget(hidden: int, dtype: torch.dtype, world_size: int) -> int:
     """The most rows whose data slots (two per row, a copy from every rank) fit in
     ``MAX_BUFFER_BYTES``: 2,048 at H = 4096 in bf16 on 2 ranks, 256 at H = 8192 on 8."""
-    row_bytes = 2 * world_size * hidden * torch.empty((), dtype=dtype).element_size()
-    return MAX_BUFFER_BYTES // row_bytes
+    return MAX_BUFFER_BYTES // data_bytes_per_row(hidden, dtype, world_size)
 
 
 def _agree(ok: bool, group: Any, device: torch.device) -> bool:
