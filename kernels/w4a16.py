@@ -35,6 +35,7 @@ tiles and splits.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -50,6 +51,27 @@ ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
 TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
 MAX_SPLIT_K = 16
 MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
+
+
+def _nibble_from_env() -> tuple[int, int, int, int] | None:
+    """``KVSCALE_W4A16_NIBBLE=BLOCK_N,BLOCK_K,num_warps,tiles``: one-row products take the
+    nibble GEMV with those tiles, split so each program takes ``tiles`` K tiles (read at
+    import; for benchmarks while it is measured against the tile GEMV, NOTES e33)."""
+    raw = os.environ.get("KVSCALE_W4A16_NIBBLE", "")
+    if not raw:
+        return None
+    try:
+        bn, bk, warps, tiles = (int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(
+            f"KVSCALE_W4A16_NIBBLE={raw!r}: expected BLOCK_N,BLOCK_K,num_warps,tiles"
+        ) from None
+    if bk % PACK or bk < 16 or min(bn, warps, tiles) < 1:
+        raise ValueError(f"KVSCALE_W4A16_NIBBLE={raw!r}: BLOCK_K a multiple of 8 and >= 16")
+    return bn, bk, warps, tiles
+
+
+NIBBLE = _nibble_from_env()
 
 # how a K tile finds its groups (the GROUP_MODE constexpr)
 TILE = 0  # the whole tile lies in one group
@@ -174,6 +196,11 @@ def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True
     at the 8B model's shapes.
     """
     sms = num_sms(device)
+    if m == 1 and gemv and NIBBLE is not None:
+        bn, bk, warps, tiles = NIBBLE
+        split = max(1, triton.cdiv(k, bk * tiles))
+        return {"GEMV": 2, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                "num_warps": warps, "num_stages": 1}  # fmt: skip
     if m == 1 and gemv:  # the best of the H100 sweep at the 8B shapes (NOTES e13)
         cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128}
         cfg["num_warps"] = 4
@@ -294,7 +321,8 @@ def _store_out(
             if ticket == splits - 1:
                 tl.debug_barrier()
                 total = tl.zeros_like(acc)
-                for s in range(splits):
+                # unrolled: the loads of several partials in flight at once, added in order
+                for s in tl.range(0, splits, loop_unroll_factor=8):
                     total += tl.load(
                         p_ptr + s * stride_cs + c_off,
                         mask=c_mask,
@@ -501,6 +529,85 @@ def _w4a16_gemv_kernel(
     )
 
 
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["stride_cs"])
+def _w4a16_gemv_nibble_kernel(
+    a_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    c_ptr,
+    p_ptr,
+    lock_ptr,
+    N,
+    K,
+    k_per_split,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_cs,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FIXUP: tl.constexpr,
+):
+    """The GEMV (``GEMV: 2``) with no layout change and no reduction across threads in
+    its loop: the ``[BLOCK_K / 8, BLOCK_N]`` tile of words stays as loaded and nibble j of
+    word row r multiplies activation ``8r + j``. With ``BLOCK_N = 4 * 32 * num_warps``
+    each thread holds four columns of every word row, so the sums over K stay in its
+    registers (a larger ``BLOCK_N`` too; a smaller one puts warps across K rows)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    rows = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_p = k0 // 8 + rows
+        p_mask = offs_p * 8 < k_end
+        words = tl.load(
+            qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+            mask=p_mask[:, None] & n_mask[None, :],
+            other=0,
+        )
+        s, zs = _group_scale(
+            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
+        )
+        dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        for j in tl.static_range(8):
+            k = offs_p * 8 + j
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + k, mask=p_mask, other=0)
+            else:
+                cols = k
+            a = tl.load(a_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)
+            codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
+            dot += tl.sum(codes * a[:, None], axis=0)
+            a_sum += a
+        acc += s * dot + zs * tl.sum(a_sum, axis=0)
+    _store_out(
+        acc,
+        c_ptr,
+        p_ptr,
+        lock_ptr,
+        pid_n,
+        pid_k,
+        tl.num_programs(1),
+        offs_n,
+        n_mask,
+        stride_cs,
+        SPLIT,
+        FIXUP,
+    )
+
+
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -552,7 +659,7 @@ def w4a16_gemm(
         raise ValueError(f"BLOCK_K must be a multiple of 8 and >= 16, got {block_k}")
     per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
     mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
-    gemv = bool(cfg.pop("GEMV", 0))
+    gemv = int(cfg.pop("GEMV", 0))  # 1: the tile GEMV, 2: the nibble GEMV
     if gemv and (m != 1 or mode != TILE):
         raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
     split = splits > 1
@@ -567,7 +674,8 @@ def w4a16_gemm(
     locks = _tile_counters(x.device) if fixup else dummy
     if gemv:
         del cfg["BLOCK_M"]
-        _w4a16_gemv_kernel[grid](
+        kernel = _w4a16_gemv_nibble_kernel if gemv == 2 else _w4a16_gemv_kernel
+        kernel[grid](
             x2,
             qweight,
             scales,
