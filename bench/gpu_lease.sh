@@ -491,6 +491,29 @@ plan_r21() {
   done
 }
 
+# r22 (one H100, issues 23 and 18): the nibble GEMV (GEMV 2, NOTES e33) natively and in the
+# sweep beside the tile GEMV; int4 C with the tile GEMV and with the sweep's best nibble
+# tiles (KVSCALE_W4A16_NIBBLE), each against bf16 in its own run; the sidecar's overhead on
+# this host; then C, A and B once.
+plan_r22() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  (step tests-w4a16 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py
+   step kernels-w4a16 240 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep) &
+  wait
+  bench int4 200 int4
+  local nib
+  nib=$(python3 bench/kernels.py --best-nibble "$RES/w4a16_sweep.json")
+  echo "best nibble tiles: ${nib:-none}" >> "$RES/log.txt"
+  if [ -n "$nib" ]; then
+    mkdir -p "$RES/nibble"
+    step int4-nibble 200 env KVSCALE_W4A16_NIBBLE="$nib" python3 bench/engine_bench.py \
+      --out-dir "$RES/nibble" --ckpt "$CKPT" --phases int4
+  fi
+  step profile-sidecar 120 python3 bench/profile_sidecar.py --model-ms 0,7.8,0,7.8
+  bench ours 200 ceilings,ours
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
