@@ -494,7 +494,8 @@ plan_r21() {
 # r22 (one H100, issues 23 and 18): the nibble GEMV (GEMV 2, NOTES e33) natively and in the
 # sweep beside the tile GEMV; int4 C with the tile GEMV and with the sweep's best nibble
 # tiles (KVSCALE_W4A16_NIBBLE), each against bf16 in its own run; the FP8 GEMM's rate
-# against bf16 (bench/fp8_mm.py); the sidecar's overhead on this host; then C, A and B once.
+# against bf16 (bench/fp8_mm.py); the sidecar's overhead on this host; then C, A, B and D
+# (c=64, 256: the API process's changes, NOTES e32) once.
 plan_r22() {
   facts
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
@@ -513,6 +514,7 @@ plan_r22() {
   step fp8-mm 150 python3 bench/fp8_mm.py --out-dir "$RES"
   step profile-sidecar 120 python3 bench/profile_sidecar.py --model-ms 0,7.8,0,7.8
   bench ours 200 ceilings,ours
+  bench serve 240 serve --concurrency 64,256
 }
 
 case "$1" in
