@@ -583,11 +583,12 @@ def _w4a16_gemv_nibble_kernel(
         a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
         for j in tl.static_range(8):
             k = offs_p * 8 + j
+            k_mask = k < k_end  # a last word may hold fewer than 8 rows
             if HAS_PERM:
-                cols = tl.load(perm_ptr + k, mask=p_mask, other=0)
+                cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
             else:
                 cols = k
-            a = tl.load(a_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
             codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
             dot += tl.sum(codes * a[:, None], axis=0)
             a_sum += a

@@ -123,6 +123,7 @@ def test_w4a16_gemv_one_row(
         _run(1, 232, 40, group_size, dtype, device, config=cfg)
     _run(1, 232, 40, group_size, torch.float32, device, config=cfg, asym=False)
     _run(1, 232, 40, group_size, torch.float16, device, config=cfg, act_order=True)
+    _run(1, 228, 40, group_size, torch.float32, device, config=cfg)  # a half-empty last word
 
 
 def test_w4a16_gemv_is_the_default_for_one_row_of_whole_groups(device: torch.device) -> None:
