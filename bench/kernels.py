@@ -7,7 +7,7 @@ the same run: a large device-to-device copy (bytes read + written / time) and an
 matmul. Results go to ``<out-dir>/kernels.json`` and ``<out-dir>/kernels.md``.
 
     python bench/kernels.py [--out-dir bench/results] [--quick] [--only w4a16]
-                            [--w4a16-sweep] [--best-nibble w4a16_sweep.json]
+                            [--w4a16-sweep]
 
 The attention group also times a mixed step shaped like workload B's (250 decode rows and
 a 490-token prompt in one prefill-kernel call) with short sequences in their own small
@@ -69,14 +69,11 @@ W4A16_PREFILL_M = 4096
 # num_stages); SPLIT_K is the heuristic's and its half and double
 W4A16_SWEEP = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3),
                (128, 256, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4))  # fmt: skip
-# the one-row GEMV's: K tiles within one 128-row group
-W4A16_GEMV_SWEEP = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3),
-                    (64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 8, 3))  # fmt: skip
-# the nibble GEMV (GEMV 2): BLOCK_N = 128 a warp keeps the sums over K in each thread;
-# split so that each program takes 1, 2 or 4 K tiles (many small programs in flight)
-W4A16_NIBBLE_SWEEP = ((128, 128, 1, 1), (128, 64, 1, 1), (256, 128, 2, 1), (256, 64, 2, 1),
-                      (256, 32, 2, 1), (512, 64, 4, 1), (512, 128, 4, 1))  # fmt: skip
-W4A16_NIBBLE_TILES = (1, 2, 4)
+# the one-row GEMV's (BLOCK_N, BLOCK_K, num_warps, num_stages): BLOCK_N = 128 a warp keeps
+# the sums over K in each thread; split so that each program takes 1, 2 or 4 K tiles
+W4A16_GEMV_SWEEP = ((128, 128, 1, 1), (128, 64, 1, 1), (256, 128, 2, 1), (256, 64, 2, 1),
+                    (256, 32, 2, 1), (512, 64, 4, 1), (512, 128, 4, 1))  # fmt: skip
+W4A16_GEMV_TILES = (1, 2, 4)
 
 COPY = "copy"
 MATMUL = "matmul"
@@ -292,24 +289,6 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
         base_us = f"{base['us']:.1f}" if base else "n/a"
         lines.append(f"| {layer} | {best['m']} | {base_us} | {best['us']:.1f} | {cfg} |")
     return "\n".join(lines) + "\n"
-
-
-def best_nibble(rows: list[dict[str, Any]]) -> str | None:
-    """The nibble GEMV's tiles (``BLOCK_N,BLOCK_K,num_warps,tiles``: the value of
-    ``KVSCALE_W4A16_NIBBLE``) whose one-row times summed over the layers are least, among
-    those timed and correct at every layer; None if there are none."""
-    layers = {r["layer"] for r in rows if r.get("m") == 1}
-    totals: dict[str, dict[str, float]] = {}
-    for r in rows:
-        cfg = r["config"]
-        if r.get("m") != 1 or cfg.get("GEMV") != 2 or "us" not in r:
-            continue
-        if r.get("rel_error", 0.0) > SWEEP_MAX_REL_ERROR:
-            continue
-        key = f"{cfg['BLOCK_N']},{cfg['BLOCK_K']},{cfg['num_warps']},{r['tiles']}"
-        totals.setdefault(key, {})[r["layer"]] = r["us"]
-    whole = {key: sum(t.values()) for key, t in totals.items() if set(t) == layers}
-    return min(whole, key=whole.__getitem__) if whole else None
 
 
 def to_json(meta: dict[str, Any], ceilings: dict[str, float], results: list[Result]) -> str:
@@ -657,38 +636,32 @@ class Bench:
         base = w4a16.w4a16_config(m, n, k, self.device)
         # the heuristic's, the same with split-K summed by a second kernel (FIXUP 0), the
         # tl.dot kernel's heuristic (for one row: what GEMV replaced), then the sweep's
-        # tiles with the heuristic's kernel
+        # tiles with the heuristic's kernel (for one row: K tiles a program, not splits)
         configs = [
             dict(base),
             dict(base, FIXUP=0),
             w4a16.w4a16_config(m, n, k, self.device, gemv=False),
         ]
         gemv = bool(base.get("GEMV"))
-        splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
-        kernel = {"GEMV": 1} if gemv else {}
-        for bn, bk, warps, stages in W4A16_GEMV_SWEEP if gemv else W4A16_SWEEP:
-            for split in sorted(splits):
-                configs.append(
-                    dict(
-                        **kernel,
-                        BLOCK_M=base["BLOCK_M"],
-                        BLOCK_N=bn,
-                        BLOCK_K=bk,
-                        SPLIT_K=split,
-                        num_warps=warps,
-                        num_stages=stages,
-                    )
-                )
-        tiles_of = [0] * len(configs)  # the nibble configs' K tiles a program
+        tiles_of = [0] * len(configs)  # the GEMV configs' K tiles a program
         if gemv:
-            for bn, bk, warps, stages in W4A16_NIBBLE_SWEEP:
-                for tiles in W4A16_NIBBLE_TILES:
+            for bn, bk, warps, stages in W4A16_GEMV_SWEEP:
+                for tiles in W4A16_GEMV_TILES:
                     split = max(1, -(-k // (bk * tiles)))
                     configs.append(
-                        dict(GEMV=2, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                        dict(GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                              num_warps=warps, num_stages=stages)
                     )  # fmt: skip
                     tiles_of.append(tiles)
+        else:
+            splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
+            for bn, bk, warps, stages in W4A16_SWEEP:
+                for split in sorted(splits):
+                    configs.append(
+                        dict(BLOCK_M=base["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                             num_warps=warps, num_stages=stages)
+                    )  # fmt: skip
+                    tiles_of.append(0)
         rows = []
         nbytes = w4a16_bytes(m, k, n, W4A16_GROUP, zeros=True)
         ref = w4a16.w4a16_gemm_ref(x, qw, s, z, W4A16_GROUP)
@@ -744,16 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--w4a16-sweep", action="store_true", help="also time alternative W4A16 decode configs"
     )
-    parser.add_argument(
-        "--best-nibble",
-        type=Path,
-        help="print best_nibble() of this w4a16_sweep.json (no GPU needed) and exit",
-    )
     args = parser.parse_args(argv)
-    if args.best_nibble:
-        best = best_nibble(json.loads(args.best_nibble.read_text())["rows"])
-        print(best or "", flush=True)
-        return 0 if best else 1
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -35,7 +35,6 @@ tiles and splits.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -49,29 +48,10 @@ PACK = 8  # 4-bit codes per int32
 SYMMETRIC_ZERO = 8
 ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
 TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
+GEMV_PROGRAMS_PER_SM = 3  # the GEMV takes 4 K tiles a program if that leaves this many
 MAX_SPLIT_K = 16
 MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
 
-
-def _nibble_from_env() -> tuple[int, int, int, int] | None:
-    """``KVSCALE_W4A16_NIBBLE=BLOCK_N,BLOCK_K,num_warps,tiles``: one-row products take the
-    nibble GEMV with those tiles, split so each program takes ``tiles`` K tiles (read at
-    import; for benchmarks while it is measured against the tile GEMV, NOTES e33)."""
-    raw = os.environ.get("KVSCALE_W4A16_NIBBLE", "")
-    if not raw:
-        return None
-    try:
-        bn, bk, warps, tiles = (int(v) for v in raw.split(","))
-    except ValueError:
-        raise ValueError(
-            f"KVSCALE_W4A16_NIBBLE={raw!r}: expected BLOCK_N,BLOCK_K,num_warps,tiles"
-        ) from None
-    if bk % PACK or bk < 16 or min(bn, warps, tiles) < 1:
-        raise ValueError(f"KVSCALE_W4A16_NIBBLE={raw!r}: BLOCK_K a multiple of 8 and >= 16")
-    return bn, bk, warps, tiles
-
-
-NIBBLE = _nibble_from_env()
 
 # how a K tile finds its groups (the GROUP_MODE constexpr)
 TILE = 0  # the whole tile lies in one group
@@ -188,24 +168,24 @@ def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True
     """Tiles, split-K and launch options for an ``[m, k] x [k, n]`` product.
 
     One row (``gemv``: the caller's groups allow it, see :func:`gemv_fits`) takes the
-    GEMV kernel (``GEMV: 1``) with 128 x 128 tiles. Other decode-sized batches
-    (``m <= 64``) take 16/32/64-row tiles. Both split K until there are about
+    GEMV kernel (``GEMV: 1``): 256 columns and 64 rows a tile, 2 warps, K split so that
+    each program takes 4 tiles where that still leaves ``GEMV_PROGRAMS_PER_SM`` programs
+    an SM, else 2 (lease r22's sweep at the 8B shapes, NOTES e33). Other decode-sized
+    batches (``m <= 64``) take 16/32/64-row tiles, split until there are about
     ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K tile); larger
     batches take 128 x 128 tiles, split only while the output tiles alone leave SMs idle.
     Small tiles under the Triton interpreter. ``bench/kernels.py`` sweeps alternatives
     at the 8B model's shapes.
     """
     sms = num_sms(device)
-    if m == 1 and gemv and NIBBLE is not None:
-        bn, bk, warps, tiles = NIBBLE
-        split = max(1, triton.cdiv(k, bk * tiles))
-        return {"GEMV": 2, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                "num_warps": warps, "num_stages": 1}  # fmt: skip
-    if m == 1 and gemv:  # the best of the H100 sweep at the 8B shapes (NOTES e13)
-        cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128}
-        cfg["num_warps"] = 4
-        cfg["num_stages"] = 1 if is_interpreter() else 4
-    elif is_interpreter():
+    if m == 1 and gemv:
+        block_n, block_k = gemv_tile()
+        columns = triton.cdiv(n, block_n)
+        tiles = 4 if columns * triton.cdiv(k, 4 * block_k) >= GEMV_PROGRAMS_PER_SM * sms else 2
+        split = max(1, triton.cdiv(k, tiles * block_k))
+        return {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                "SPLIT_K": split, "num_warps": 2, "num_stages": 1}  # fmt: skip
+    if is_interpreter():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     elif m <= 64:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -217,11 +197,15 @@ def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True
     tiles = triton.cdiv(max(m, 1), cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
     split = 1
-    # the GEMV splits up to its target (gate_up's 224 tiles: 2 splits, 12% faster)
-    if tiles < (TARGET_PROGRAMS_PER_SM * sms if "GEMV" in cfg else sms):
+    if tiles < sms:
         split = max(1, min(TARGET_PROGRAMS_PER_SM * sms // tiles, k_tiles, MAX_SPLIT_K))
     cfg["SPLIT_K"] = split
     return cfg
+
+
+def gemv_tile() -> tuple[int, int]:
+    """The GEMV's (BLOCK_N, BLOCK_K): small under the interpreter."""
+    return (32, 32) if is_interpreter() else (256, 64)
 
 
 def _split_plan(k: int, block_k: int, split: int) -> tuple[int, int]:
@@ -491,75 +475,14 @@ def _w4a16_gemv_kernel(
     FIXUP: tl.constexpr,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
-    tile adds ``s sum_k c x + z' sum_k x`` per column (reduced over K every tile: on an
-    H100 12-20% faster than keeping ``[BLOCK_K, BLOCK_N]`` partial products for one final
-    reduction, 25-60% faster than loading each row's word instead of unpacking a tile).
-    Tried on an H100 and not kept (NOTES e18): codes to floats by OR-ing them into the
-    bits of 2**23 instead of converting, multiplying nibble j of each word by rows
-    8r + j into a ``[BLOCK_K / 8, BLOCK_N]`` partial, prefetching the next tile's words:
-    each within a few percent either way."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k_mask, cols = _tile_rows(perm_ptr, k0, k_end, BLOCK_K, HAS_PERM)
-        a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        codes = _unpack_tile(qw_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K, BLOCK_N)
-        s, zs = _group_scale(
-            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
-        )
-        acc += s * tl.sum(codes * a[:, None], axis=0) + zs * tl.sum(a, axis=0)
-    _store_out(
-        acc,
-        c_ptr,
-        p_ptr,
-        lock_ptr,
-        pid_n,
-        pid_k,
-        tl.num_programs(1),
-        offs_n,
-        n_mask,
-        stride_cs,
-        SPLIT,
-        FIXUP,
-    )
-
-
-# Sizes that change every step are not specialized on, so no step recompiles.
-@triton.jit(do_not_specialize=["stride_cs"])
-def _w4a16_gemv_nibble_kernel(
-    a_ptr,
-    qw_ptr,
-    s_ptr,
-    z_ptr,
-    perm_ptr,
-    c_ptr,
-    p_ptr,
-    lock_ptr,
-    N,
-    K,
-    k_per_split,
-    stride_qk,
-    stride_sg,
-    stride_zg,
-    stride_cs,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    HAS_ZP: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    SPLIT: tl.constexpr,
-    FIXUP: tl.constexpr,
-):
-    """The GEMV (``GEMV: 2``) with no layout change and no reduction across threads in
-    its loop: the ``[BLOCK_K / 8, BLOCK_N]`` tile of words stays as loaded and nibble j of
-    word row r multiplies activation ``8r + j``. With ``BLOCK_N = 4 * 32 * num_warps``
-    each thread holds four columns of every word row, so the sums over K stay in its
-    registers (a larger ``BLOCK_N`` too; a smaller one puts warps across K rows)."""
+    tile adds ``s sum_k c x + z' sum_k x`` per column. The ``[BLOCK_K / 8, BLOCK_N]`` tile
+    of words stays in the layout it was loaded in and nibble j of word row r multiplies
+    activation ``8r + j``: with ``BLOCK_N = 128 * num_warps`` each thread holds four
+    columns of every word row and the sums over K never leave its registers (no layout
+    change through shared memory and no barrier in the loop). On an H100 8-21% faster per
+    layer than unpacking each tile into ``[BLOCK_K, BLOCK_N]`` codes for a reduction
+    across threads (NOTES e33; int4 C 3.98 -> 3.66 ms). Tried and not kept (NOTES e18):
+    codes to floats through the bits of 2**23, prefetching the next tile's words."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -652,7 +575,7 @@ def w4a16_gemm(
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
     if config is None:
-        fits = gemv_fits(group_size, scales.shape[0], 128, g_idx is not None)
+        fits = gemv_fits(group_size, scales.shape[0], gemv_tile()[1], g_idx is not None)
         config = w4a16_config(m, n, k, x.device, gemv=fits)
     cfg: dict[str, Any] = dict(config)
     block_k = cfg["BLOCK_K"]
@@ -660,7 +583,7 @@ def w4a16_gemm(
         raise ValueError(f"BLOCK_K must be a multiple of 8 and >= 16, got {block_k}")
     per_split, splits = _split_plan(k, block_k, cfg.pop("SPLIT_K", 1))
     mode, gs = _group_mode(group_size, scales.shape[0], block_k, g_idx is not None)
-    gemv = int(cfg.pop("GEMV", 0))  # 1: the tile GEMV, 2: the nibble GEMV
+    gemv = bool(cfg.pop("GEMV", 0))
     if gemv and (m != 1 or mode != TILE):
         raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
     split = splits > 1
@@ -675,8 +598,7 @@ def w4a16_gemm(
     locks = _tile_counters(x.device) if fixup else dummy
     if gemv:
         del cfg["BLOCK_M"]
-        kernel = _w4a16_gemv_nibble_kernel if gemv == 2 else _w4a16_gemv_kernel
-        kernel[grid](
+        _w4a16_gemv_kernel[grid](
             x2,
             qweight,
             scales,

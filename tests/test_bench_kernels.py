@@ -166,23 +166,3 @@ def test_w4a16_sweep_table(bench: ModuleType) -> None:
     lines = bench.format_sweep(rows).splitlines()
     assert lines[2] == "| qkv | 1 | 10.0 | 8.0 | BLOCK_N=64 SPLIT_K=8 |"
     assert len(lines) == 3  # "o" had no timed config
-
-
-def test_best_nibble_needs_every_layer_timed_and_correct(bench: ModuleType) -> None:
-    def row(layer: str, bn: int, tiles: int, us: float, err: float = 0.0) -> dict:
-        cfg = {"GEMV": 2, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": 64, "num_warps": bn // 128}
-        return {"layer": layer, "m": 1, "config": cfg, "tiles": tiles, "us": us, "rel_error": err}
-
-    tile_gemv = {"layer": "o", "m": 1, "config": {"GEMV": 1}, "tiles": 0, "us": 1.0}
-    rows = [
-        tile_gemv,
-        row("o", 256, 1, 10.0),
-        row("down", 256, 1, 10.0),  # 20 in all
-        row("o", 256, 2, 8.0),
-        row("down", 256, 2, 11.0),  # 19: the best
-        row("o", 512, 1, 1.0),
-        row("down", 512, 1, 1.0, err=0.5),  # fastest, wrong at one layer
-        row("o", 128, 4, 1.0),  # not timed at "down"
-    ]
-    assert bench.best_nibble(rows) == "256,64,2,2"
-    assert bench.best_nibble([tile_gemv]) is None
