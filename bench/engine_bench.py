@@ -124,6 +124,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "spec-piecewise",
     "decode-kernels",
     "decode-kernels-int4",
+    "decode-kernels-a",
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
@@ -1060,10 +1061,13 @@ def kernel_table(
     return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
 
 
-def _profile_decode(llm: Any, batches: Sequence[int], tag: str) -> dict[str, Any]:
-    """Decode-only steps (CUDA-graph replays) at each batch size: the median synchronized
-    step time, then the same steps under torch.profiler: every CUDA kernel of this
-    process (rank 0's with tensor parallelism)."""
+def _profile_decode(
+    llm: Any, batches: Sequence[int], tag: str, prompt_len: int = 128
+) -> dict[str, Any]:
+    """Decode-only steps (CUDA-graph replays) at each batch size, after prompts of
+    ``prompt_len`` tokens: the median synchronized step time, then the same steps under
+    torch.profiler: every CUDA kernel of this process (rank 0's with tensor
+    parallelism)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -1074,9 +1078,10 @@ def _profile_decode(llm: Any, batches: Sequence[int], tag: str) -> dict[str, Any
     res: dict[str, Any] = {}
     params = SamplingParams(temperature=0, max_tokens=4 * ALLREDUCE_STEPS, ignore_eos=True)
     for batch in batches:
-        for i, p in enumerate(_prompts(batch, 128, 40 + batch)):
+        for i, p in enumerate(_prompts(batch, prompt_len, 40 + batch)):
             eng.add_request(f"{tag}{batch}-{i}", p, params)
-        for _ in range(4):  # prefill (one 8,192-token step at most), then decode only
+        # the prefill (8,192-token steps), then decode only
+        for _ in range(2 + -(-batch * prompt_len // 8192)):
             eng.step()
         times = []
         for _ in range(ALLREDUCE_STEPS):
@@ -1119,13 +1124,15 @@ def phase_allreduce(ckpt: Path) -> dict[str, Any]:
     return res
 
 
-def phase_decode_kernels(ckpt: Path) -> dict[str, Any]:
+def phase_decode_kernels(
+    ckpt: Path, batches: Sequence[int] = ALLREDUCE_BATCHES, prompt_len: int = 128, **kw: Any
+) -> dict[str, Any]:
     """Where a TP=1 decode step's GPU time goes (batch 1 is workload C's step): the step
     time, the kernels' total and the gap between (launch and host time the GPU idles),
-    and the kernels by time per step."""
-    llm = _llm(ckpt)
+    and the kernels by time per step. ``kw``: engine settings."""
+    llm = _llm(ckpt, **kw)
     res: dict[str, Any] = {}
-    for batch, prof in _profile_decode(llm, ALLREDUCE_BATCHES, "dk").items():
+    for batch, prof in _profile_decode(llm, batches, "dk", prompt_len).items():
         gpu_ms = sum(us for _, us in prof["kernels"]) / ALLREDUCE_STEPS / 1e3
         table = kernel_table(prof["kernels"], ALLREDUCE_STEPS)
         res[batch] = {"step_ms": prof["step_ms"], "gpu_ms": gpu_ms, "kernels": table}
@@ -1141,6 +1148,15 @@ def phase_decode_kernels(ckpt: Path) -> dict[str, Any]:
                 flush=True,
             )
     _close(llm)
+    return res
+
+
+def phase_decode_kernels_a(ckpt: Path) -> dict[str, Any]:
+    """A's decode steps (256 sequences after 512-token prompts) kernel by kernel, in
+    bf16 and in each FP8 variant: where FP8's decode steps stay slow (issue 23's FP8 A)."""
+    res = {"bf16": phase_decode_kernels(ckpt, (A_SHAPE[0],), A_SHAPE[1])}
+    for name, kw in FP8_VARIANTS.items():
+        res[name] = phase_decode_kernels(ckpt, (A_SHAPE[0],), A_SHAPE[1], **kw)
     return res
 
 
@@ -1766,6 +1782,7 @@ def main(argv: list[str] | None = None) -> int:
         "allreduce": lambda: phase_allreduce(ckpt),
         "decode-kernels": lambda: phase_decode_kernels(ckpt),
         "decode-kernels-int4": lambda: phase_decode_kernels(int4_checkpoint(ckpt, "gptq")),
+        "decode-kernels-a": lambda: phase_decode_kernels_a(ckpt),
         "piecewise": lambda: phase_piecewise(ckpt, out / "compile-cache"),
         "piecewise-warm": lambda: phase_piecewise_warm(ckpt, out / "compile-cache"),
         "serve-piecewise": lambda: phase_serve_piecewise(

@@ -7,13 +7,22 @@ CUDA graph (median), TFLOP/s and the ratio to bf16 for:
 
 - ``bf16``: ``F.linear`` on bf16 weights (the dense layers);
 - ``rowwise``: ``torch._scaled_mm`` with per-token x per-channel scales, as
-  ``server/quantization/fp8.py`` runs it (the activations' quantization kernel included);
+  ``server/quantization/fp8.py`` runs it on CUDA (the activations' quantization kernel,
+  ``kernels/fp8.py``, included);
 - ``rowwise-fast``: the same with ``use_fast_accum=True``;
-- ``tensor`` / ``tensor-fast``: one scale per operand (a static-scale checkpoint's GEMM).
+- ``rowwise-gemm`` / ``rowwise-gemm-fast``: the GEMM alone, on activations quantized
+  once beforehand;
+- ``tensor-gemm`` / ``tensor-gemm-fast``: the GEMM alone with one scale per operand (a
+  static-scale checkpoint's);
+- ``quantize``: the quantization kernel alone.
+
+Lease r22 ran an earlier version that left the operators on their torch references
+(``ops.use_kernels`` was not called): its ``rowwise`` and ``quantize`` lines timed torch's
+quantization, not the kernel's.
 
 Each line's ``err`` is the relative error against the fp32 product of the row-wise
-quantized operands, dequantized: for ``rowwise-fast`` what fast accumulation costs at
-K = 4,096 and 14,336; the ``tensor`` variants quantize coarser, and their error says so.
+quantized operands, dequantized: for the ``-fast`` lines what fast accumulation costs at
+K = 4,096 and 14,336; the ``tensor`` lines quantize coarser, and their error says so.
 
     python bench/fp8_mm.py [--out-dir DIR] [--rows 1,256,8192]
 """
@@ -57,7 +66,8 @@ def variants(
     x: torch.Tensor, w: torch.Tensor
 ) -> tuple[dict[str, Callable[[], torch.Tensor]], torch.Tensor]:
     """The products to time for ``x [M, K]`` bf16 and ``w [N, K]`` bf16, and their fp32
-    reference (the quantized operands, dequantized)."""
+    reference (the row-wise quantized operands, dequantized). The operators run as the
+    engine runs them on CUDA (``ops.use_kernels(True)``: the caller's)."""
     from kvscale.server.layers import ops
 
     ws = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX  # [N, 1]
@@ -65,36 +75,36 @@ def variants(
     wt, ws_row = wq.t(), ws.view(1, -1)
     w_scale = ws.max().reshape(())
     wq_t = (w.float() / w_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).t()
-    xq_ref, xs_ref = ops.fp8_quantize_groups(x, x.shape[-1])
-    ref = (xq_ref.float() * xs_ref) @ (wq.float() * ws).t()
+    xq, xs = ops.fp8_quantize_groups(x, x.shape[-1])
+    ref = (xq.float() * xs) @ (wq.float() * ws).t()
     x_scale = (x.float().abs().amax() / FP8_MAX).reshape(())
-    one = torch.ones((), device=x.device)
+    xq_t = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    w_scale_t = w_scale * torch.ones((), device=x.device)
 
     def rowwise(fast: bool) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
-            xq, xs = ops.fp8_quantize_groups(x, x.shape[-1])
+            q, s = ops.fp8_quantize_groups(x, x.shape[-1])
             return torch._scaled_mm(
-                xq, wt, scale_a=xs, scale_b=ws_row, out_dtype=x.dtype, use_fast_accum=fast
+                q, wt, scale_a=s, scale_b=ws_row, out_dtype=x.dtype, use_fast_accum=fast
             )
 
         return run
 
-    def tensor(fast: bool) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-            return torch._scaled_mm(
-                xq, wq_t, scale_a=x_scale, scale_b=w_scale * one, out_dtype=x.dtype,
-                use_fast_accum=fast,
-            )  # fmt: skip
-
-        return run
+    def gemm(
+        a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, fast: bool
+    ) -> Callable[[], torch.Tensor]:
+        return lambda: torch._scaled_mm(
+            a, b, scale_a=sa, scale_b=sb, out_dtype=x.dtype, use_fast_accum=fast
+        )
 
     return {
         "bf16": lambda: F.linear(x, w),
         "rowwise": rowwise(False),
         "rowwise-fast": rowwise(True),
-        "tensor": tensor(False),
-        "tensor-fast": tensor(True),
+        "rowwise-gemm": gemm(xq, wt, xs, ws_row, False),
+        "rowwise-gemm-fast": gemm(xq, wt, xs, ws_row, True),
+        "tensor-gemm": gemm(xq_t, wq_t, x_scale, w_scale_t, False),
+        "tensor-gemm-fast": gemm(xq_t, wq_t, x_scale, w_scale_t, True),
         "quantize": lambda: ops.fp8_quantize_groups(x, x.shape[-1])[0],
     }, ref
 
@@ -104,6 +114,9 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=Path("."))
     ap.add_argument("--rows", default="1,256,8192")
     args = ap.parse_args()
+    from kvscale.server.layers import ops
+
+    ops.use_kernels(True)  # the Triton kernels, as the engine routes them on CUDA
     torch.manual_seed(0)
     dev = torch.device("cuda")
     meta = {

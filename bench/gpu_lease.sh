@@ -517,6 +517,25 @@ plan_r22() {
   bench serve 240 serve --concurrency 64,256
 }
 
+# r23 (one H100, issue 23): the GEMV as default (natively, the int4 GPU tests, int4 C, the
+# sweep's heuristic rows), the FP8 GEMM's rate with the quantization kernel (bench/fp8_mm.py
+# fixed), A's decode step kernel by kernel in bf16, FP8 weights and FP8 weights + KV, C, A,
+# B a second time today, and D (c=64, 256) with the default graphs and with piecewise ones.
+plan_r23() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-w4a16 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py
+  wait
+  step tests-int4 200 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  bench int4 200 int4
+  step fp8-mm 150 python3 bench/fp8_mm.py --out-dir "$RES"
+  bench decode-kernels-a 300 decode-kernels-a
+  bench ours 200 ceilings,ours
+  step kernels-w4a16 240 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
+  bench serve 240 serve --concurrency 64,256
+  bench serve-piecewise 420 serve-piecewise --piecewise-concurrency 64,256
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
