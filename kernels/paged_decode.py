@@ -15,8 +15,10 @@ output accumulator are fp32 (online softmax, exp2 domain); ``tl.dot`` takes its 
 the storage dtype (16-bit products are exact, accumulation is fp32; fp32 operands use IEEE
 precision). ``head_dim`` and ``block_size`` must be powers of two (>= 16 and >= 1).
 
-An FP8 cache is read as is and upcast to q's dtype in registers (exact); its scales are
-folded in: ``k_scale`` into the score scale, ``v_scale`` into the output.
+An FP8 cache is read as is and upcast in registers (exact): to fp16 for 16-bit q (q,
+scaled by ``scale``, and the probabilities then enter the dots as fp16), to fp32 for
+fp32 q; its scales are folded in: ``k_scale`` into the score scale, ``v_scale`` into the
+output.
 
 Split-KV (flash-decoding): with ``num_splits > 1`` each sequence's context is cut into
 ``num_splits`` chunks processed by separate programs that write partial (max, sum, acc) to
@@ -109,6 +111,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -138,7 +141,15 @@ def _paged_decode_kernel(
     acc = tl.zeros([QG_PAD, HEAD_DIM], tl.float32)
     qk_scale = scale_log2e
     if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if KV_F16:
+            # the FP8 tiles meet q and p as fp16: e4m3 -> fp16 is one conversion a pair of
+            # values on sm_90, -> bf16 two more a value (NOTES e36). q is scaled first
+            # (into fp16's range, clamped: never inf); both conversions of q are exact
+            # but for that one rounding to fp16's 11 bits
+            q = tl.clamp(q.to(tl.float32) * scale_log2e, -65504.0, 65504.0).to(tl.float16)
+            qk_scale = tl.load(k_scale_ptr)
+        else:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
     kv_head_off = g * stride_khead
     for tok0 in range(start, end, BLOCK_N):
         offs_n = tok0 + tl.arange(0, BLOCK_N)
@@ -355,6 +366,7 @@ def paged_decode_attention(
         SPLIT=split,
         DOT_PREC=dot_precision(q.dtype),
         KV_FP8=kv_fp8,
+        KV_F16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

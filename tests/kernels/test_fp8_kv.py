@@ -134,6 +134,26 @@ def test_fp8_decode_matches_ref(dtype: torch.dtype, num_splits: int, device) -> 
     assert rel_error(plain, ref.float()) > 0.5
 
 
+@pytest.mark.skipif(not on_native_gpu(), reason="bf16 needs CUDA without the interpreter")
+def test_fp8_decode_with_large_bf16_queries() -> None:
+    """bf16 queries meet an FP8 cache as fp16 (scaled first): large ones give the
+    reference's answer; ones past fp16's range even after scaling are clamped, never
+    infinite."""
+    device = torch.device("cuda")
+    seq_lens, kv_heads, group, head_dim, block_size = [1, 37, 300], 2, 4, 128, 16
+    kv, kc, vc, ks, vs = _fp8_paged(seq_lens, kv_heads, head_dim, block_size, device)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim, device=device)
+    scale = head_dim**-0.5
+    for factor, exact in ((30.0, True), (3e6, False)):
+        qb = (q * factor).to(torch.bfloat16)
+        args = (qb, kc, vc, kv.block_tables, kv.seq_lens, scale)
+        got = paged_decode_attention(*args, k_scale=ks, v_scale=vs)
+        assert got.isfinite().all(), factor
+        if exact:
+            ref = paged_decode_attention_ref(*args, k_scale=ks, v_scale=vs)
+            torch.testing.assert_close(got, ref, **tolerances(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
 def test_fp8_prefill_matches_ref(dtype: torch.dtype, device: torch.device) -> None:
     seq_lens, q_lens, kv_heads, group, head_dim, block_size = [40, 7, 64], [40, 1, 20], 2, 2, 64, 16
