@@ -64,6 +64,7 @@ STATS_LOG_INTERVAL_S = 10.0  # how often a busy server logs its load
 WATCHDOG_INTERVAL_S = 0.5  # how often the engine's heartbeat is checked
 WARMUP_PROMPT = "Hello, my name is"
 WARMUP_TOKENS = 4
+WARMUP_PREFIX = 48  # the first warm-up prompt's tokens: whole blocks for the second to share
 
 
 class Gate:
@@ -153,6 +154,37 @@ def _subtract(s: EngineStats, base: EngineStats | None) -> EngineStats:
     )
 
 
+async def _warm_up(aeng: AsyncEngine) -> None:
+    """Runs the step shapes serving meets first: a prompt's prefill and decode, then,
+    while it decodes, a prompt sharing its full blocks (a prefill on cached context)
+    beside a fresh one, in mixed steps with two and three rows. On a GPU the kernels of
+    each new shape compile (Triton: one compilation per specialization, seconds on a cold
+    cache) here rather than in the first users' requests (NOTES e35). Greedy, a few
+    tokens each; prompts made of the warm-up prompt's token ids."""
+    params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+    base = aeng.tokenize(WARMUP_PROMPT)
+    room = max(1, aeng.max_model_len - WARMUP_TOKENS - len(base))
+    first = (base * (WARMUP_PREFIX // max(1, len(base)) + 1))[: min(WARMUP_PREFIX, room)]
+
+    async def run(request_id: str, ids: list[int]) -> None:
+        async for _ in aeng.generate(request_id, ids, params):
+            pass
+
+    limit, aeng.max_queue_len = aeng.max_queue_len, None  # three at once whatever it is
+    others: asyncio.Future[list[None]] | None = None
+    try:
+        lead = aeng.generate("warmup-0", first, params).__aiter__()
+        await lead.__anext__()  # prefilled: its full blocks are cached
+        others = asyncio.gather(run("warmup-1", first + base), run("warmup-2", base[::-1]))
+        async for _ in lead:
+            pass
+        await others
+    finally:
+        aeng.max_queue_len = limit
+        if others is not None and not others.done():
+            others.cancel()
+
+
 async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) -> None:
     lc, settings = state.lifecycle, state.settings
     aeng: AsyncEngine | None = None
@@ -183,10 +215,7 @@ async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) 
         if settings.warmup:
             t1 = time.perf_counter()
             log.info("[3/3] warming up ...")
-            params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
-            ids = aeng.tokenize(WARMUP_PROMPT)
-            async for _ in aeng.generate("warmup-0", ids, params):
-                pass
+            await _warm_up(aeng)
             log.info("[3/3] warm-up done in %.2fs", time.perf_counter() - t1)
         base[0] = aeng.stats()
         aeng.observer = state.metrics.timer

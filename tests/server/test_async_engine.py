@@ -256,3 +256,31 @@ def test_a_flood_of_steps_under_uvloop_reaches_every_stream(
         llama_ckpt, body, loop_factory=uvloop.new_event_loop, process_target=run_instant_engine
     )
     assert lens == [tokens] * num
+
+
+@pytest.mark.parametrize("max_num_seqs,max_queue_len", [(8, None), (1, 0)])
+def test_the_warm_up_shares_a_prefix_and_admits_its_requests_whatever_the_limits(
+    llama_ckpt: Path, max_num_seqs: int, max_queue_len: int | None
+) -> None:
+    """The server's warm-up (three requests, one sharing the first's whole blocks) runs
+    even where one sequence runs at a time and none may wait, and leaves the limit as
+    it was."""
+    from kvscale.server.api.app import WARMUP_TOKENS, _warm_up
+
+    async def main() -> None:
+        cfg = EngineConfig(
+            model=str(llama_ckpt), device="cpu", num_kv_blocks=64, max_num_seqs=max_num_seqs
+        )
+        aeng = AsyncEngine(cfg, max_queue_len=max_queue_len)
+        await aeng.start()
+        try:
+            await _warm_up(aeng)
+            await _wait_idle(aeng)
+            s = aeng.stats()
+            assert aeng.max_queue_len == max_queue_len
+            assert s.generation_tokens == 3 * WARMUP_TOKENS
+            assert s.prefix_cache_hits >= 32  # the second prompt found the first's blocks
+        finally:
+            aeng.shutdown()
+
+    asyncio.run(main())
