@@ -536,6 +536,29 @@ plan_r23() {
   bench serve-piecewise 420 serve-piecewise --piecewise-concurrency 64,256
 }
 
+# r24 (one H100, issue 23; next session): FP8 after fast accumulation and the fp16 read
+# of an FP8 KV cache (NOTES e36): kernel tests, A's decode step, the fp8 phase (C, A, D
+# c=64 for FP8 weights and weights + KV) and the accuracy script against bf16; then D
+# from a cold Triton cache, twice, with the three-request warm-up (e35's first-server
+# penalty).
+plan_r24() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-fp8 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_fp8_kv.py \
+    tests/kernels/test_paged_decode.py
+  wait
+  bench decode-kernels-a 300 decode-kernels-a
+  bench fp8 360 fp8
+  step accuracy 240 python3 bench/fp8_accuracy.py --model "$CKPT" --tokens 4096 \
+    --seq-len 1024 --out "$RES/fp8_accuracy.json"
+  rm -rf "$HOME/.triton/cache"
+  mkdir -p "$RES/cold" "$RES/warm"
+  step serve-cold 240 python3 bench/engine_bench.py --out-dir "$RES/cold" --ckpt "$CKPT" \
+    --phases serve --concurrency 64,256
+  step serve-warm 240 python3 bench/engine_bench.py --out-dir "$RES/warm" --ckpt "$CKPT" \
+    --phases serve --concurrency 64,256
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
