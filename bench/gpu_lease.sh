@@ -537,7 +537,8 @@ plan_r23() {
 }
 
 # r24 (one H100, issue 23; next session): FP8 after fast accumulation and the fp16 read
-# of an FP8 KV cache (NOTES e36): kernel tests, A's decode step, the fp8 phase (C, A, D
+# of an FP8 KV cache (NOTES e36), the W4A16 GEMV's MAGIC and mask-free loop (e37): kernel
+# tests, the W4A16 sweep, A's decode step, the fp8 phase (C, A, D
 # c=64 for FP8 weights and weights + KV) and the accuracy script against bf16; then D
 # from a cold Triton cache, twice, with the three-request warm-up (e35's first-server
 # penalty).
@@ -545,8 +546,9 @@ plan_r24() {
   facts
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
   step tests-fp8 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_fp8_kv.py \
-    tests/kernels/test_paged_decode.py
+    tests/kernels/test_paged_decode.py tests/kernels/test_w4a16.py
   wait
+  step kernels-w4a16 300 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
   bench decode-kernels-a 300 decode-kernels-a
   bench fp8 360 fp8
   step accuracy 240 python3 bench/fp8_accuracy.py --model "$CKPT" --tokens 4096 \

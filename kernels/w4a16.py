@@ -447,6 +447,23 @@ def _split_k_sum_kernel(p_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _nibble_as_float(words, high, j: tl.constexpr):
+    """Nibble ``j`` of each word as fp32, with no int-to-float conversion: the nibble
+    (nibbles 5-7 from ``high``, the words shifted right by 12) stays in place in the
+    mantissa of a float whose exponent makes that place worth 1, so the float is
+    ``2**e + code`` exactly; ``2**e`` is subtracted. One LOP3 and one FADD a weight."""
+    if j < 5:
+        src = words
+        jj: tl.constexpr = j
+    else:
+        src = high
+        jj: tl.constexpr = j - 3
+    e: tl.constexpr = 23 - 4 * jj
+    bits = (src & (0xF << (4 * jj))) | ((127 + e) << 23)
+    return bits.to(tl.float32, bitcast=True) - (1 << e)
+
+
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["stride_cs"])
 def _w4a16_gemv_kernel(
@@ -472,6 +489,8 @@ def _w4a16_gemv_kernel(
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
+    MAGIC: tl.constexpr = 0,
+    EVEN: tl.constexpr = 0,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
     tile adds ``s sum_k c x + z' sum_k x`` per column. The ``[BLOCK_K / 8, BLOCK_N]`` tile
@@ -481,8 +500,12 @@ def _w4a16_gemv_kernel(
     change through shared memory and no barrier in the loop). Against unpacking each
     tile into ``[BLOCK_K, BLOCK_N]`` codes for a reduction across threads, on an H100:
     gate_up 19% faster, the other 8B layers within 4% either way, int4 C 3.98 -> 3.66 ms
-    (NOTES e33). Tried and not kept (NOTES e18): codes to floats through the bits of
-    2**23, prefetching the next tile's words."""
+    (NOTES e33). ``EVEN`` (K and N whole tiles: the caller's): no masks in the loop.
+    ``MAGIC`` (a config setting, off by default until measured, NOTES e37): each nibble
+    becomes a float with no int-to-float conversion (``_nibble_as_float``) and the
+    products accumulate by FFMA into a ``[BLOCK_K / 8, BLOCK_N]`` partial summed once a
+    tile. Tried on the earlier GEMV and not kept (NOTES e18): the bits of 2**23, prefetching
+    the next tile's words."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -494,27 +517,42 @@ def _w4a16_gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_p = k0 // 8 + rows
         p_mask = offs_p * 8 < k_end
-        words = tl.load(
-            qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-            mask=p_mask[:, None] & n_mask[None, :],
-            other=0,
-        )
+        w_ptrs = qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
+        if EVEN:  # every tile whole: no masks in the loop
+            words = tl.load(w_ptrs)
+        else:
+            words = tl.load(w_ptrs, mask=p_mask[:, None] & n_mask[None, :], other=0)
         s, zs = _group_scale(
             s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
         )
-        dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
         a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        if MAGIC:
+            part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            high = (words.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
+        else:
+            dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in tl.static_range(8):
             k = offs_p * 8 + j
             k_mask = k < k_end  # a last word may hold fewer than 8 rows
             if HAS_PERM:
-                cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
+                if EVEN:
+                    cols = tl.load(perm_ptr + k)
+                else:
+                    cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
             else:
                 cols = k
-            a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-            codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
-            dot += tl.sum(codes * a[:, None], axis=0)
+            if EVEN:
+                a = tl.load(a_ptr + cols).to(tl.float32)
+            else:
+                a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+            if MAGIC:
+                part += _nibble_as_float(words, high, j) * a[:, None]
+            else:
+                codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
+                dot += tl.sum(codes * a[:, None], axis=0)
             a_sum += a
+        if MAGIC:
+            dot = tl.sum(part, axis=0)
         acc += s * dot + zs * tl.sum(a_sum, axis=0)
     _store_out(
         acc,
@@ -619,6 +657,7 @@ def w4a16_gemm(
             HAS_PERM=perm is not None,
             SPLIT=split,
             FIXUP=fixup,
+            EVEN=k % block_k == 0 and n % cfg["BLOCK_N"] == 0,
             **cfg,
         )
     else:

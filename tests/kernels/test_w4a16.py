@@ -110,19 +110,25 @@ def test_w4a16_group_modes_and_splits(
     _run(3, 232, 40, group_size, torch.float16, device, config=cfg, asym=False)
 
 
+@pytest.mark.parametrize("magic", [0, 1])
 @pytest.mark.parametrize("split", [1, 3, 16])
 @pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 64), (32, 232)])
 def test_w4a16_gemv_one_row(
-    split: int, block_k: int, group_size: int, device: torch.device
+    magic: int, split: int, block_k: int, group_size: int, device: torch.device
 ) -> None:
-    """The one-row kernel: tiles of one group (or one group in all), zero points or
-    not, an act-order permutation, every split count, K not a multiple of the tile."""
+    """The one-row kernel, with and without its conversion-free nibbles: tiles of one
+    group (or one group in all), zero points or not, an act-order permutation, every
+    split count, K and N whole tiles or not (the mask-free loop and the masked one)."""
     cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split}
+    cfg["MAGIC"] = magic
     for dtype in kernel_dtypes():
         _run(1, 232, 40, group_size, dtype, device, config=cfg)
     _run(1, 232, 40, group_size, torch.float32, device, config=cfg, asym=False)
     _run(1, 232, 40, group_size, torch.float16, device, config=cfg, act_order=True)
     _run(1, 228, 40, group_size, torch.float32, device, config=cfg)  # a half-empty last word
+    if group_size != 232:  # K = 256, N = 64: whole tiles
+        _run(1, 256, 64, group_size, torch.float32, device, config=cfg)
+        _run(1, 256, 64, group_size, torch.float16, device, config=cfg, act_order=True)
 
 
 def test_w4a16_gemv_is_the_default_for_one_row_of_whole_groups(device: torch.device) -> None:
