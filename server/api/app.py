@@ -163,8 +163,8 @@ async def _warm_up(aeng: AsyncEngine) -> None:
     tokens each; prompts made of the warm-up prompt's token ids."""
     params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
     base = aeng.tokenize(WARMUP_PROMPT)
-    room = max(1, aeng.max_model_len - WARMUP_TOKENS - len(base))
-    first = (base * (WARMUP_PREFIX // max(1, len(base)) + 1))[: min(WARMUP_PREFIX, room)]
+    cap = max(1, aeng.max_model_len - WARMUP_TOKENS)  # a prompt's most tokens
+    first = (base * (WARMUP_PREFIX // max(1, len(base)) + 1))[: min(WARMUP_PREFIX, cap)]
 
     async def run(request_id: str, ids: list[int]) -> None:
         async for _ in aeng.generate(request_id, ids, params):
@@ -175,7 +175,8 @@ async def _warm_up(aeng: AsyncEngine) -> None:
     try:
         lead = aeng.generate("warmup-0", first, params).__aiter__()
         await lead.__anext__()  # prefilled: its full blocks are cached
-        others = asyncio.gather(run("warmup-1", first + base), run("warmup-2", base[::-1]))
+        shared, fresh = (first + base)[:cap], base[::-1][:cap]
+        others = asyncio.gather(run("warmup-1", shared), run("warmup-2", fresh))
         async for _ in lead:
             pass
         await others
