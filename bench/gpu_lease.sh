@@ -550,6 +550,7 @@ plan_r24() {
   wait
   step kernels-w4a16 300 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
   bench decode-kernels-a 300 decode-kernels-a
+  step fp8-mm 150 python3 bench/fp8_mm.py --out-dir "$RES"
   bench fp8 360 fp8
   step accuracy 240 python3 bench/fp8_accuracy.py --model "$CKPT" --tokens 4096 \
     --seq-len 1024 --out "$RES/fp8_accuracy.json"

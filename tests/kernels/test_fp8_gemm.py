@@ -78,12 +78,16 @@ def test_block_gemm_at_llama_shapes_bf16() -> None:
 
 
 @pytest.mark.parametrize("dtype", kernel_dtypes())
-@pytest.mark.parametrize(("m", "k", "group"), [(1, 320, 320), (5, 2304, 2304), (3, 512, 128)])
+@pytest.mark.parametrize(
+    ("m", "k", "group"),
+    [(1, 320, 320), (5, 2304, 2304), (3, 512, 128), (2, 14336, 14336), (2, 16448, 16448)],
+)
 def test_quantize_groups_kernel_gives_the_reference_bits(
     dtype: torch.dtype, m: int, k: int, group: int, device: torch.device
 ) -> None:
-    """One kernel per token (``group = K``, non-power-of-two K, K over one 1024 tile) or
-    per group: the same FP8 bits and scales as the torch reference, zero rows included."""
+    """One kernel per token (``group = K``, non-power-of-two K, the 8B model's widest
+    input, a group past ``ONE_PASS_MAX``: read twice) or per group: the same FP8 bits and
+    scales as the torch reference, zero rows included."""
     x = (torch.randn(m, k, device=device) * torch.logspace(-3, 2, k, device=device)).to(dtype)
     x[0, :group] = 0  # an all-zero group: the scale floor
     q, s = quantize_groups(x, group)
