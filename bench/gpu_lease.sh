@@ -562,6 +562,19 @@ plan_r24() {
     --phases serve --concurrency 64,256
 }
 
+# r25 (2 GPUs, issue 24; next session): where C's TP=2 step goes with the push kernel
+# (the allreduce profile: rank 0's kernels at batch 1 and 64), C and A at TP=1 / TP=2
+# once more, and the single-GPU files owed since this session's kernel changes on GPU 1
+# while GPU 0 writes the checkpoint.
+plan_r25() {
+  facts
+  ckpt_beside tests-kernels 300 env CUDA_VISIBLE_DEVICES=1 KVSCALE_KERNEL_TESTS=1 \
+    "${PT[@]}" tests/kernels/test_w4a16.py tests/kernels/test_fp8_kv.py \
+    tests/kernels/test_fp8_gemm.py tests/kernels/test_paged_decode.py
+  bench tp-profile 200 allreduce
+  bench tp 300 ceilings,tp1,tp2
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
