@@ -452,7 +452,8 @@ def _nibble_as_float(words, high, j: tl.constexpr):
     """Nibble ``j`` of each word as fp32, with no int-to-float conversion: the nibble
     (nibbles 5-7 from ``high``, the words shifted right by 12) stays in place in the
     mantissa of a float whose exponent makes that place worth 1, so the float is
-    ``2**e + code`` exactly; ``2**e`` is subtracted. One LOP3 and one FADD a weight."""
+    ``2**e + code`` exactly; ``2**e`` is subtracted. Two LOP3 (the mask, the exponent) and
+    one FADD a weight, compiled for sm_90."""
     if j < 5:
         src = words
         jj: tl.constexpr = j
