@@ -25,8 +25,8 @@ from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 # Hopper's FP8 tensor cores accumulate in reduced precision unless told to promote
 # partial sums: on an H100 (NOTES e35, bench/fp8_mm.py) letting them is 10-26% faster at
 # 8,192 rows and 0-11% at 256, for a relative error of 2.1e-3 against 1.7e-3 (3.3e-3
-# at K = 14,336); vLLM's and SGLang's Hopper FP8 GEMMs (CUTLASS) accumulate this way.
-# Ignored on the CPU.
+# at K = 14,336); vLLM's Hopper FP8 GEMMs (CUTLASS, its sm90 ``FP8FastAccum`` schedules)
+# accumulate this way. Ignored on the CPU.
 FAST_ACCUM = True
 
 
