@@ -38,28 +38,26 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvscale.kernels.testing import rel_error
+
 LAYERS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def time_graph_ms(fn: Callable[[], object]) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph."""
-    import triton.testing
+def graph_timer() -> Callable[[Callable[[], object]], float]:
+    """``bench/kernels.py``'s timer: the median ms of a function replayed from a CUDA
+    graph (bench/ is not a package: loaded by path)."""
+    import importlib.util
+    import sys
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return float(triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median"))
-
-
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+    path = Path(__file__).with_name("kernels.py")
+    spec = importlib.util.spec_from_file_location("kvscale_bench_kernels", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod.Bench(quick=False).time_graph_ms
 
 
 def variants(
@@ -125,6 +123,7 @@ def main() -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     print(meta, flush=True)
+    time_graph_ms = graph_timer()
     rows = []
     for m in (int(v) for v in args.rows.split(",")):
         for layer, k, n in LAYERS:
