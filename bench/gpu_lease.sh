@@ -491,7 +491,8 @@ plan_r21() {
   done
 }
 
-# r22 (one H100, issues 23 and 18): the nibble GEMV (GEMV 2, NOTES e33) natively and in the
+# r22 (one H100, issues 23 and 18; as it ran at b0c5a42: --best-nibble and the nibble
+# GEMV's setting are gone since 6aec381, where that GEMV became the only one): the nibble GEMV (GEMV 2, NOTES e33) natively and in the
 # sweep beside the tile GEMV; int4 C with the tile GEMV and with the sweep's best nibble
 # tiles (KVSCALE_W4A16_NIBBLE), each against bf16 in its own run; the FP8 GEMM's rate
 # against bf16 (bench/fp8_mm.py); the sidecar's overhead on this host; then C, A, B and D

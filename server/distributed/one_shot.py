@@ -6,9 +6,9 @@ take ~6.3 us each on 2 x H200 (NOTES e9), 0.42 ms a step, and each is followed b
 residual add + RMSNorm kernel. In the one-shot kernel every rank writes its rows
 straight into the others' memory with a flag after them, waits for theirs in its own,
 and does the add and norm in the same launch. On 2 x H200 (``bench/all_reduce.py``, lease
-r19, NOTES e29; the kernel's earlier pull version), one-shot + norm against NCCL + norm,
-per launch: 6.2 against 8.4 us at 1 row, 12.5 against 29.5 at 256 rows, 63 against 89 at
-2,048 (r18's kernel, which moved rows 2 bytes at a time, lost from 32 rows on). So it
+r20, NOTES e31), one-shot + norm against NCCL + norm, per launch: 4.7 against 8.4 us at
+1 row, 11.6 against 29.6 at 256 rows, 61 against 89 at 2,048 (the earlier pull version:
+6.2, 12.5 and 63 us; r18's, which moved rows 2 bytes at a time, lost from 32 rows on). So it
 takes sums of up to ``MAX_ROWS`` rows (every decode step and most mixed ones; fewer past
 ``MAX_BUFFER_BYTES``) of the model's hidden size in the model's dtype; larger ones stay
 on NCCL.
