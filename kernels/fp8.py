@@ -56,6 +56,19 @@ def quantize_e4m3(x, scale):
     return round_to_e4m3(y)
 
 
+@triton.jit
+def quantize_store_groups(y, q_ptrs, s_ptrs, mask, s_mask):
+    """Dynamic FP8 quantization of the rows of ``y [NG, G]`` (fp32, values already rounded
+    to the activation's dtype, masked ones 0), one group a row: its scale ``absmax / 448``
+    (at least 1e-12) stored at ``s_ptrs [NG]`` and its codes at ``q_ptrs [NG, G]``; the
+    bits of :func:`quantize_groups_ref`. Kernels that make an activation call it on the
+    values in registers, so the activation is never stored in 16 bits and read back."""
+    amax = tl.max(tl.abs(y), 1)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    tl.store(s_ptrs, scale, mask=s_mask)
+    tl.store(q_ptrs, quantize_e4m3(y, scale[:, None]).to(q_ptrs.dtype.element_ty), mask=mask)
+
+
 _MIN_SCALE = 1e-12  # an all-zero group still gets a finite scale
 
 
@@ -86,12 +99,13 @@ def _quantize_groups_kernel(
     q_row = q_ptr + row * stride_q + g * group
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:  # the whole group in registers: one load, then its absmax and codes
-        mask = offs < group
-        x = tl.load(x_row + offs, mask=mask, other=0.0)
-        amax = tl.max(tl.abs(x.to(tl.float32)), 0)
-        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-        tl.store(s_ptr + row * stride_s + g, scale)
-        tl.store(q_row + offs, quantize_e4m3(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
+        offs2 = offs[None, :]
+        mask = offs2 < group
+        x = tl.load(x_row + offs2, mask=mask, other=0.0).to(tl.float32)
+        s_offs = tl.arange(0, 1)
+        quantize_store_groups(
+            x, q_row + offs2, s_ptr + row * stride_s + g + s_offs, mask, s_offs < 1
+        )
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k in range(0, group, BLOCK):

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvscale.kernels._utils import next_power_of_2
+from kvscale.kernels._utils import is_power_of_2, next_power_of_2
+from kvscale.kernels.fp8 import FP8_E4M3, quantize_groups_ref, quantize_store_groups
 
 
 # Sizes that change every step are not specialized on, so no step recompiles.
@@ -74,6 +75,39 @@ def _fused_add_rms_norm_kernel(
     )
 
 
+# Sizes that change every step are not specialized on, so no step recompiles.
+@triton.jit(do_not_specialize=["num_rows"])
+def _fused_add_rms_norm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, num_rows, hidden, eps, stride_x, stride_r, stride_q,
+    stride_s, NUM_GROUPS: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    # the row as [NUM_GROUPS, GROUP]: the norm sums over both, the scales over the second
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, NUM_GROUPS)
+    offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (offs < hidden) & (row < num_rows)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r_ptrs = res_ptr + row * stride_r + offs
+    r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(res_ptr.dtype.element_ty)
+    tl.store(r_ptrs, s, mask=mask)
+    s = s.to(tl.float32)
+    var = tl.sum(tl.sum(s * s, 1), 0) / hidden
+    normed = (s * tl.rsqrt(var + eps)).to(res_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (normed * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+    quantize_store_groups(
+        y, q_ptr + row * stride_q + offs, s_ptr + row * stride_s + groups, mask,
+        (groups * GROUP < hidden) & (row < num_rows),
+    )  # fmt: skip
+
+
+def fp8_group_fusable(hidden: int, group: int) -> bool:
+    """Whether :func:`fused_add_rms_norm_quant` takes quantization groups of ``group``
+    columns of a row of ``hidden``: one group a row, or power-of-two groups that tile it."""
+    return group == hidden or (is_power_of_2(group) and hidden % group == 0)
+
+
 def row_launch_opts(hidden: int) -> dict[str, int]:
     """BLOCK (the row padded to a power of two) and warps of a kernel with one program a row."""
     block = next_power_of_2(hidden)
@@ -129,6 +163,38 @@ def fused_add_rms_norm(
         )
 
 
+def fused_add_rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual <- x + residual`` in place, and ``rms_norm(residual, weight, eps)`` in
+    ``x``'s dtype quantized to FP8 per ``group`` columns of each row, returned as (codes
+    ``[T, H]`` float8_e4m3fn, scales ``[T, H / group]`` fp32): the bits of
+    :func:`fused_add_rms_norm` then ``fp8.quantize_groups``, in one kernel that never
+    stores the 16-bit norm (``x`` is left as it was). ``group``: see
+    :func:`fp8_group_fusable`."""
+    hidden = x.shape[-1]
+    if residual.shape != x.shape or weight.shape != (hidden,):
+        raise ValueError("x, residual must be [..., H] of one shape and weight [H]")
+    if not fp8_group_fusable(hidden, group):
+        raise ValueError(f"quantization groups of {group} do not tile rows of {hidden}")
+    x2 = x.view(-1, hidden)
+    r2 = residual.view(-1, hidden)
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1:
+        raise ValueError("x and residual need a contiguous last dim")
+    rows = x2.shape[0]
+    q = torch.empty((rows, hidden), dtype=FP8_E4M3, device=x.device)
+    scale = torch.empty((rows, hidden // group), dtype=torch.float32, device=x.device)
+    if rows > 0:
+        opts = row_launch_opts(hidden)
+        width = opts["BLOCK"] if group == hidden else group
+        _fused_add_rms_norm_quant_kernel[(rows,)](
+            x2, r2, weight, q, scale, rows, hidden, eps, x2.stride(0), r2.stride(0),
+            q.stride(0), scale.stride(0), NUM_GROUPS=opts["BLOCK"] // width, GROUP=width,
+            num_warps=opts["num_warps"],
+        )  # fmt: skip
+    return q, scale
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face ``LlamaRMSNorm`` numerics."""
     xf = x.float()
@@ -142,3 +208,12 @@ def fused_add_rms_norm_ref(
     """Reference of :func:`fused_add_rms_norm` (in place)."""
     residual.copy_(x + residual)
     x.copy_(rms_norm_ref(residual, weight, eps))
+
+
+def fused_add_rms_norm_quant_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`fused_add_rms_norm_quant` (``residual`` in place, ``x`` kept)."""
+    residual.copy_(x + residual)
+    y = rms_norm_ref(residual, weight, eps).to(x.dtype)
+    return quantize_groups_ref(y.reshape(-1, x.shape[-1]), group)

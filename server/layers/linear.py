@@ -16,6 +16,7 @@ from torch import nn
 
 from kvscale.server.parallel import ParallelState
 from kvscale.server.quantization import DenseLinearMethod, LinearMethod, set_weight_attrs
+from kvscale.server.quantization.base import Fp8Activation
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -52,6 +53,8 @@ class LinearBase(nn.Module):
         self.linear_method.create_weights(
             self, in_per_rank, out_per_rank, torch.get_default_dtype()
         )
+        # the FP8 groups the method quantizes its input in: the layer before may do it
+        self.fp8_input_group = self.linear_method.fp8_input_group(in_per_rank)
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -68,7 +71,7 @@ class LinearBase(nn.Module):
             return
         _copy_checked(param.data, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
 
 
@@ -130,7 +133,7 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         self._load_rows(param, loaded, 0, self.out_per_rank, self.parallel.rank)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         y = self.linear_method.apply(self, x, self.bias)
         return self.parallel.all_gather_last_dim(y) if self.gather_output else y
 
@@ -239,7 +242,7 @@ class RowParallelLinear(LinearBase):
         size = param.data.shape[dim]  # stored units, packing or grouping included
         _copy_checked(param.data, loaded.narrow(dim, self.parallel.rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         y = self.linear_method.apply(self, x, None)
         if self.reduce_results:
             y = self.parallel.all_reduce(y)

@@ -20,7 +20,9 @@ from kvscale.kernels import argmax as argmax_kernel
 
 rms_norm = rmsnorm.rms_norm_ref
 fused_add_rms_norm = rmsnorm.fused_add_rms_norm_ref
+fused_add_rms_norm_quant = rmsnorm.fused_add_rms_norm_quant_ref
 silu_and_mul = activation.silu_and_mul_ref
+silu_and_mul_quant = activation.silu_and_mul_quant_ref
 rotary_embedding = rotary.rotary_embedding_ref
 w4a16_gemm = w4a16.w4a16_gemm_ref
 fp8_quantize_groups = fp8.quantize_groups_ref
@@ -40,7 +42,9 @@ def use_kernels(enabled: bool) -> bool:
     globals().update(
         rms_norm=getattr(rmsnorm, "rms_norm" + suffix),
         fused_add_rms_norm=getattr(rmsnorm, "fused_add_rms_norm" + suffix),
+        fused_add_rms_norm_quant=getattr(rmsnorm, "fused_add_rms_norm_quant" + suffix),
         silu_and_mul=getattr(activation, "silu_and_mul" + suffix),
+        silu_and_mul_quant=getattr(activation, "silu_and_mul_quant" + suffix),
         rotary_embedding=getattr(rotary, "rotary_embedding" + suffix),
         w4a16_gemm=getattr(w4a16, "w4a16_gemm" + suffix),
         fp8_quantize_groups=getattr(fp8, "quantize_groups" + suffix),

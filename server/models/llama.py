@@ -28,6 +28,7 @@ from kvscale.server.layers.linear import (
 from kvscale.server.layers.rotary import RotaryEmbedding
 from kvscale.server.parallel import ParallelState
 from kvscale.server.quantization import LinearMethod, QuantizationConfig
+from kvscale.server.quantization.base import Fp8Activation
 
 
 def _method(quant: QuantizationConfig | None, prefix: str) -> LinearMethod | None:
@@ -78,7 +79,7 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, positions, self.rotary))
@@ -111,8 +112,8 @@ class LlamaMLP(nn.Module):
         )
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x), self.down_proj.fp8_input_group))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -141,9 +142,13 @@ class LlamaDecoderLayer(nn.Module):
             residual = x
             x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual, self.mlp_partial)
+            x, residual = self.input_layernorm(
+                x, residual, self.mlp_partial, self.self_attn.qkv_proj.fp8_input_group
+            )
         x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual, self.attn_partial)
+        x, residual = self.post_attention_layernorm(
+            x, residual, self.attn_partial, self.mlp.gate_up_proj.fp8_input_group
+        )
         return self.mlp(x), residual
 
 

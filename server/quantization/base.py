@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,6 +24,17 @@ def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> nn.Parameter:
     return param
 
 
+class Fp8Activation(NamedTuple):
+    """An activation quantized to FP8 by the kernel that made it (a norm or SiLU-and-mul),
+    for a linear method that would quantize it so itself (``fp8_input_group``):
+    ``codes [T, K]`` float8_e4m3fn, ``scales [T, K / group]`` fp32, and the 16-bit
+    ``dtype`` it was made in (the layer's output dtype)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
 class LinearMethod(ABC):
     """Creates a linear layer's parameters and runs its matmul."""
 
@@ -36,10 +47,17 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [T, in]`` -> ``[T, out]`` in ``x``'s dtype."""
+        """``x [T, in]`` -> ``[T, out]`` in ``x``'s dtype (an ``Fp8Activation``'s
+        ``dtype`` where ``fp8_input_group`` takes one)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
         """Repacks loaded weights for the kernels (optional)."""
+
+    def fp8_input_group(self, in_features: int) -> int | None:
+        """The group of input columns this method quantizes its input to FP8 in, token
+        by token and on the fly, if it does: ``apply`` then also takes an
+        ``Fp8Activation`` quantized so. None: 16-bit input only."""
+        return None
 
 
 class QuantizationConfig(ABC):

@@ -20,7 +20,7 @@ from kvscale.kernels.fp8 import FP8_MAX, quantize_groups_ref
 from kvscale.kernels.fp8_gemm import w8a8_block_matmul, w8a8_block_matmul_ref
 from kvscale.server.config import CheckpointError
 from kvscale.server.layers import ops
-from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
+from kvscale.server.quantization.base import Fp8Activation, LinearMethod, set_weight_attrs
 
 # Hopper's FP8 tensor cores accumulate in reduced precision unless told to promote
 # partial sums: on an H100 (NOTES e35, bench/fp8_mm.py) letting them is 10-26% faster at
@@ -42,7 +42,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
@@ -50,20 +50,25 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x [..., K]`` (bf16/fp16/fp32) @ FP8 ``weight [N, K]`` (per-channel fp32
     ``weight_scale [N]``) -> ``[..., N]`` in ``x``'s dtype. ``input_scale`` (``[]``):
-    static activation scale; None quantizes each token on the fly."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if input_scale is None:  # per token: one kernel on CUDA (ops routing)
-        xq, xs = ops.fp8_quantize_groups(x2, x2.shape[-1])
+    static activation scale; None quantizes each token on the fly, or takes ``x``
+    quantized so (an ``Fp8Activation [T, K]`` of one group a row)."""
+    if isinstance(x, Fp8Activation):
+        shape, dtype = x.codes.shape, x.dtype
+        xq, xs = x.codes, x.scales
     else:
-        xq = quantize_static(x2, input_scale)
-        xs = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        if input_scale is None:  # per token: one kernel on CUDA (ops routing)
+            xq, xs = ops.fp8_quantize_groups(x2, x2.shape[-1])
+        else:
+            xq = quantize_static(x2, input_scale)
+            xs = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
     y = torch._scaled_mm(
         xq,
         weight.t(),
         scale_a=xs,
         scale_b=weight_scale.view(1, -1),
-        out_dtype=x.dtype,
+        out_dtype=dtype,
         use_fast_accum=FAST_ACCUM,
     )
     if bias is not None:
@@ -109,7 +114,12 @@ class Fp8LinearMethod(LinearMethod):
             # q/k/v (gate/up) see the same input; checkpoints give each its own observer
             layer.input_scale = nn.Parameter(layer.input_scale.data.max(), requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def fp8_input_group(self, in_features: int) -> int | None:
+        return None if self.static_input else in_features  # per token
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         input_scale = layer.input_scale if self.static_input else None
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, input_scale)
 
@@ -193,11 +203,19 @@ class Fp8BlockLinearMethod(LinearMethod):
         )
         layer.register_parameter("weight_scale_inv", scale)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        shape = x.shape
-        xq, xs = ops.fp8_quantize_groups(x.reshape(-1, shape[-1]), self.block[1])
+    def fp8_input_group(self, in_features: int) -> int | None:
+        return self.block[1]
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            shape, dtype, xq, xs = x.codes.shape, x.dtype, x.codes, x.scales
+        else:
+            shape, dtype = x.shape, x.dtype
+            xq, xs = ops.fp8_quantize_groups(x.reshape(-1, shape[-1]), self.block[1])
         y = torch.ops.kvscale.w8a8_block_matmul(
-            xq, xs, layer.weight, layer.weight_scale_inv, *self.block, x.dtype
+            xq, xs, layer.weight, layer.weight_scale_inv, *self.block, dtype
         )
         if bias is not None:
             y = y + bias

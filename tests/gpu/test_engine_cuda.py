@@ -189,8 +189,10 @@ def test_fp8_linear_on_cuda_matches_the_dequantized_product() -> None:
 
 
 def _token_logprobs(path: Path, **kw: object) -> list[list[float]]:
-    """Greedy tokens' own logprobs (``logprobs=0``), per prompt."""
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **kw)
+    """Greedy tokens' own logprobs (``logprobs=0``), per prompt (Triton backend unless
+    ``attention_backend`` says otherwise)."""
+    kw.setdefault("attention_backend", "triton")
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", **kw)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     outs = llm.generate(PROMPTS, sp)
     llm.engine.core.shutdown()
@@ -211,10 +213,24 @@ def _assert_fp8_graphs_track_eager(
     within a third of the distance between FP8 and bf16 eager themselves."""
     first = [g[0] == e[0] for g, e in zip(graphs, eager, strict=True)]
     assert all(first)  # the prefill runs eagerly in both
-    lp_graphs = _token_logprobs(path, **kw)
-    lp_eager = _token_logprobs(path, enforce_eager=True, **kw)
+    _assert_fp8_runs_agree(path, graphs, eager, kw, {}, {"enforce_eager": True})
+
+
+def _assert_fp8_runs_agree(
+    path: Path,
+    got: list[list[int]],
+    want: list[list[int]],
+    kw: dict[str, object],
+    got_kw: dict[str, object],
+    want_kw: dict[str, object],
+) -> None:
+    """Two FP8 engines (``kw`` plus ``got_kw`` / ``want_kw``) by their greedy tokens'
+    logprobs along the tokens both took: within a third of the distance between the
+    ``want`` engine and the same engine in bf16 (see above)."""
+    lp_got = _token_logprobs(path, **kw, **got_kw)
+    lp_want = _token_logprobs(path, **kw, **want_kw)
     no_fp8 = {k: v for k, v in kw.items() if k not in ("quantization", "kv_cache_dtype")}
-    lp_bf16 = _token_logprobs(path, enforce_eager=True, **no_fp8)
+    lp_bf16 = _token_logprobs(path, **no_fp8, **want_kw)
 
     def dist(a: list[list[float]], b: list[list[float]], n: list[int]) -> float:
         pairs = [(x, y) for i, m in enumerate(n) for x, y in zip(a[i][:m], b[i][:m], strict=True)]
@@ -222,14 +238,15 @@ def _assert_fp8_graphs_track_eager(
 
     common = [
         next((j for j, (x, y) in enumerate(zip(g, e, strict=True)) if x != y), len(g))
-        for g, e in zip(graphs, eager, strict=True)
+        for g, e in zip(got, want, strict=True)
     ]
-    graphs_vs_eager = dist(lp_graphs, lp_eager, common)
+    assert sum(common) >= len(PROMPTS)
+    got_vs_want = dist(lp_got, lp_want, common)
     first_token = [1] * len(PROMPTS)  # the bf16 model's tokens differ from FP8's after that
-    fp8_vs_bf16 = dist(lp_eager, lp_bf16, first_token)
-    print(f"FP8 logprobs: graphs vs eager {graphs_vs_eager:.4f}, FP8 vs bf16 {fp8_vs_bf16:.4f}")
+    fp8_vs_bf16 = dist(lp_want, lp_bf16, first_token)
+    print(f"FP8 logprobs: {got_kw} vs {want_kw} {got_vs_want:.4f}, FP8 vs bf16 {fp8_vs_bf16:.4f}")
     assert fp8_vs_bf16 > 0
-    assert graphs_vs_eager <= fp8_vs_bf16 / 3
+    assert got_vs_want <= fp8_vs_bf16 / 3
 
 
 def test_fp8_engine_with_cuda_graphs_matches_eager(checkpoint_factory: Callable[..., Path]) -> None:
@@ -239,6 +256,18 @@ def test_fp8_engine_with_cuda_graphs_matches_eager(checkpoint_factory: Callable[
     graphs, llm = _run(path, "triton", "bfloat16", **kw)
     assert llm.engine.worker.graphs is not None
     _assert_fp8_graphs_track_eager(path, graphs, eager, kw)
+
+
+def test_fp8_weights_triton_matches_torch_backend(checkpoint_factory: Callable[..., Path]) -> None:
+    """FP8 weights with the Triton kernels, whose norm and SiLU-and-mul quantize their own
+    outputs for the next GEMM, against the torch backend, which quantizes them apart."""
+    path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
+    kw = dict(quantization="fp8", enforce_eager=True, **FIXED_POOL)
+    want = _tokens(path, "torch", "bfloat16", **kw)
+    got = _tokens(path, "triton", "bfloat16", **kw)
+    _assert_fp8_runs_agree(
+        path, got, want, kw, {"attention_backend": "triton"}, {"attention_backend": "torch"}
+    )
 
 
 def test_fp8_kv_cache_triton_matches_torch_backend(checkpoint_factory: Callable[..., Path]) -> None:

@@ -3,9 +3,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscale.kernels.activation import silu_and_mul, silu_and_mul_ref
+from kvscale.kernels.activation import (
+    silu_and_mul,
+    silu_and_mul_quant,
+    silu_and_mul_quant_ref,
+    silu_and_mul_ref,
+)
+from kvscale.kernels.fp8 import quantize_groups
 from kvscale.kernels.rmsnorm import (
+    fp8_group_fusable,
     fused_add_rms_norm,
+    fused_add_rms_norm_quant,
+    fused_add_rms_norm_quant_ref,
     fused_add_rms_norm_ref,
     rms_norm,
     rms_norm_ref,
@@ -119,3 +128,63 @@ def test_tolerances_admit_rounding_and_reject_real_errors() -> None:
         wrong[7] += 0.1 + 0.1 * x[7].abs()
         with pytest.raises(AssertionError):
             torch.testing.assert_close(wrong, x, **tol)
+
+
+def _same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]):
+    """Codes and scales of two FP8 quantizations: the same scales (to an fp32 rounding) and
+    codes, but for a few one E4M3 step apart (or a few subnormal steps near 0) where the
+    16-bit value before quantization was rounded the other way (the kernels' rsqrt and
+    exp differ from torch's by an ulp)."""
+    (q, s), (q_ref, s_ref) = got, want
+    assert q.dtype == q_ref.dtype == torch.float8_e4m3fn and q.shape == q_ref.shape
+    torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=0)
+    assert (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.99
+    step = s_ref.repeat_interleave(q.shape[-1] // s.shape[-1], dim=-1)
+    deq, deq_ref = q.float() * step, q_ref.float() * step
+    assert ((deq - deq_ref).abs() <= deq_ref.abs() * 2**-3 + step * 2**-7).all()
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize(("hidden", "group"), [(1000, 1000), (512, 512), (512, 128), (384, 128)])
+def test_fused_add_rms_norm_quant(
+    dtype: torch.dtype, hidden: int, group: int, device: torch.device
+) -> None:
+    """The norm quantized to FP8 in the norm's kernel: the residual as the unfused
+    kernel leaves it (exactly), the FP8 codes and scales of the norm then
+    ``quantize_groups`` (per token, or power-of-two groups, one row past the others'
+    scale included), and ``x`` not written."""
+    x = torch.randn(6, hidden, dtype=dtype, device=device)
+    x[3] *= 50.0  # a row with another scale
+    res = torch.randn(6, hidden, dtype=dtype, device=device)
+    weight = torch.randn(hidden, dtype=dtype, device=device)
+    x_k, r_k, x_r, r_r = x.clone(), res.clone(), x.clone(), res.clone()
+    got = fused_add_rms_norm_quant(x_k, r_k, weight, 1e-6, group)
+    want = fused_add_rms_norm_quant_ref(x_r, r_r, weight, 1e-6, group)
+    torch.testing.assert_close(r_k, r_r, atol=0, rtol=0)
+    torch.testing.assert_close(x_k, x, atol=0, rtol=0)
+    assert got[1].shape == (6, hidden // group)
+    _same_fp8(got, want)
+    x_u, r_u = x.clone(), res.clone()  # against the two kernels it replaces
+    fused_add_rms_norm(x_u, r_u, weight, 1e-6)
+    _same_fp8(got, quantize_groups(x_u, group))
+    assert not fp8_group_fusable(384, 96) and fp8_group_fusable(384, 384)
+    with pytest.raises(ValueError, match="do not tile"):
+        fused_add_rms_norm_quant(x_k, r_k, weight, 1e-6, 3)
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize(("inter", "group"), [(1000, 1000), (512, 128), (17, 17)])
+def test_silu_and_mul_quant(dtype: torch.dtype, inter: int, group: int, device: torch.device):
+    """SiLU-and-mul quantized to FP8 in its kernel: exactly the codes and scales of the
+    two kernels it replaces (``silu_and_mul``, then ``quantize_groups``), and those of
+    the torch reference up to the reference's own rounding of SiLU."""
+    x = torch.randn(5, 2 * inter, dtype=dtype, device=device) * 4
+    x[2] *= 8.0  # another scale (fp16 stays finite)
+    q, s = silu_and_mul_quant(x, group)
+    assert s.shape == (5, inter // group)
+    q_two, s_two = quantize_groups(silu_and_mul(x), group)
+    torch.testing.assert_close(s, s_two, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_two.view(torch.uint8))
+    _same_fp8((q, s), silu_and_mul_quant_ref(x, group))
+    with pytest.raises(ValueError, match="do not tile"):
+        silu_and_mul_quant(x, inter + 1)
