@@ -640,20 +640,19 @@ class Bench:
         configs = [
             dict(base),
             dict(base, FIXUP=0),
-            w4a16.w4a16_config(m, n, k, self.device, gemv=False),
+            w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=None),
         ]
         gemv = bool(base.get("GEMV"))
         tiles_of = [0] * len(configs)  # the GEMV configs' K tiles a program
-        if gemv:  # each tile with and without the conversion-free nibbles (MAGIC)
+        if gemv:
             for bn, bk, warps, stages in W4A16_GEMV_SWEEP:
                 for tiles in W4A16_GEMV_TILES:
                     split = max(1, -(-k // (bk * tiles)))
-                    for magic in (0, 1):
-                        configs.append(
-                            dict(GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                                 num_warps=warps, num_stages=stages, MAGIC=magic)
-                        )  # fmt: skip
-                        tiles_of.append(tiles)
+                    configs.append(
+                        dict(GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                             num_warps=warps, num_stages=stages)
+                    )  # fmt: skip
+                    tiles_of.append(tiles)
         else:
             splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
             for bn, bk, warps, stages in W4A16_SWEEP:

@@ -48,7 +48,8 @@ PACK = 8  # 4-bit codes per int32
 SYMMETRIC_ZERO = 8
 ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
 TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
-GEMV_PROGRAMS_PER_SM = 3  # the GEMV takes 4 K tiles a program if that leaves this many
+GEMV_PROGRAMS_PER_SM = 3  # the GEMV takes 256 rows of K a program if that leaves this many
+GEMV_BLOCK_KS = (128, 64)  # the GEMV's K tile: the first that the groups allow
 MAX_SPLIT_K = 16
 MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
 
@@ -163,13 +164,17 @@ def w4a16_gemm_ref(
 
 
 # ---- tiles and splits ------------------------------------------------------------------
-def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True) -> dict[str, int]:
+def w4a16_config(
+    m: int, n: int, k: int, device: torch.device, gemv_block_k: int | None = GEMV_BLOCK_KS[0]
+) -> dict[str, int]:
     """Tiles, split-K and launch options for an ``[m, k] x [k, n]`` product.
 
-    One row (``gemv``: the caller's groups allow it, see :func:`gemv_fits`) takes the
-    GEMV kernel (``GEMV: 1``): 256 columns and 64 rows a tile, 2 warps, K split so that
-    each program takes 4 tiles where that still leaves ``GEMV_PROGRAMS_PER_SM`` programs
-    an SM, else 2 (lease r22's sweep at the 8B shapes, NOTES e33). Other decode-sized
+    One row takes the GEMV kernel (``GEMV: 1``) where its groups allow a K tile
+    (``gemv_block_k``: see :func:`gemv_block_k`; None: they do not): 256 columns a tile,
+    2 warps, K split so that each program takes 256 rows of K where that still leaves
+    ``GEMV_PROGRAMS_PER_SM`` programs an SM, else 128 (leases r22-r24's sweeps at the 8B
+    shapes, NOTES e33 and e37: in 128-row tiles where the groups allow, 5-10% faster
+    than in 64-row ones). Other decode-sized
     batches (``m <= 64``) take 16/32/64-row tiles, split until there are about
     ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K tile); larger
     batches take 128 x 128 tiles, split only while the output tiles alone leave SMs idle.
@@ -177,12 +182,12 @@ def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True
     at the 8B model's shapes.
     """
     sms = num_sms(device)
-    if m == 1 and gemv:
-        block_n, block_k = gemv_tile()
+    if m == 1 and gemv_block_k is not None:
+        block_n = 32 if is_interpreter() else 256
         columns = triton.cdiv(n, block_n)
-        tiles = 4 if columns * triton.cdiv(k, 4 * block_k) >= GEMV_PROGRAMS_PER_SM * sms else 2
-        split = max(1, triton.cdiv(k, tiles * block_k))
-        return {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
+        per = 256 if columns * triton.cdiv(k, 256) >= GEMV_PROGRAMS_PER_SM * sms else 128
+        split = max(1, triton.cdiv(k, max(per, gemv_block_k)))
+        return {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": gemv_block_k,
                 "SPLIT_K": split, "num_warps": 2, "num_stages": 1}  # fmt: skip
     if is_interpreter():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
@@ -202,9 +207,11 @@ def w4a16_config(m: int, n: int, k: int, device: torch.device, gemv: bool = True
     return cfg
 
 
-def gemv_tile() -> tuple[int, int]:
-    """The GEMV's (BLOCK_N, BLOCK_K): small under the interpreter."""
-    return (32, 32) if is_interpreter() else (256, 64)
+def gemv_block_k(group_size: int, groups: int, has_g_idx: bool) -> int | None:
+    """The GEMV's K tile for these groups: the first of ``GEMV_BLOCK_KS`` whose every
+    tile lies in one group (32 under the interpreter); None where none does."""
+    sizes = (32,) if is_interpreter() else GEMV_BLOCK_KS
+    return next((b for b in sizes if gemv_fits(group_size, groups, b, has_g_idx)), None)
 
 
 def _split_plan(k: int, block_k: int, split: int) -> tuple[int, int]:
@@ -447,24 +454,6 @@ def _split_k_sum_kernel(p_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _nibble_as_float(words, high, j: tl.constexpr):
-    """Nibble ``j`` of each word as fp32, with no int-to-float conversion: the nibble
-    (nibbles 5-7 from ``high``, the words shifted right by 12) stays in place in the
-    mantissa of a float whose exponent makes that place worth 1, so the float is
-    ``2**e + code`` exactly; ``2**e`` is subtracted. Two LOP3 (the mask, the exponent) and
-    one FADD a weight, compiled for sm_90."""
-    if j < 5:
-        src = words
-        jj: tl.constexpr = j
-    else:
-        src = high
-        jj: tl.constexpr = j - 3
-    e: tl.constexpr = 23 - 4 * jj
-    bits = (src & (0xF << (4 * jj))) | ((127 + e) << 23)
-    return bits.to(tl.float32, bitcast=True) - (1 << e)
-
-
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["stride_cs"])
 def _w4a16_gemv_kernel(
@@ -490,7 +479,6 @@ def _w4a16_gemv_kernel(
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
-    MAGIC: tl.constexpr = 0,
     EVEN: tl.constexpr = 0,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
@@ -502,11 +490,10 @@ def _w4a16_gemv_kernel(
     tile into ``[BLOCK_K, BLOCK_N]`` codes for a reduction across threads, on an H100:
     gate_up 19% faster, the other 8B layers within 4% either way, int4 C 3.98 -> 3.66 ms
     (NOTES e33). ``EVEN`` (K and N whole tiles: the caller's): no masks in the loop.
-    ``MAGIC`` (a config setting, off by default until measured, NOTES e37): each nibble
-    becomes a float with no int-to-float conversion (``_nibble_as_float``) and the
-    products accumulate by FFMA into a ``[BLOCK_K / 8, BLOCK_N]`` partial summed once a
-    tile. Tried on the earlier GEMV and not kept (NOTES e18): the bits of 2**23, prefetching
-    the next tile's words."""
+    Tried and not kept: nibbles made floats from their bits with 2**23 instead of an
+    int-to-float conversion, on the earlier GEMV (NOTES e18) and on this one with FFMA
+    partial sums (e37: 2-9% slower at the median config, the best within 5%);
+    prefetching the next tile's words (e18)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -527,11 +514,7 @@ def _w4a16_gemv_kernel(
             s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
         )
         a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
-        if MAGIC:
-            part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-            high = (words.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
-        else:
-            dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in tl.static_range(8):
             k = offs_p * 8 + j
             k_mask = k < k_end  # a last word may hold fewer than 8 rows
@@ -546,14 +529,9 @@ def _w4a16_gemv_kernel(
                 a = tl.load(a_ptr + cols).to(tl.float32)
             else:
                 a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-            if MAGIC:
-                part += _nibble_as_float(words, high, j) * a[:, None]
-            else:
-                codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
-                dot += tl.sum(codes * a[:, None], axis=0)
+            codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
+            dot += tl.sum(codes * a[:, None], axis=0)
             a_sum += a
-        if MAGIC:
-            dot = tl.sum(part, axis=0)
         acc += s * dot + zs * tl.sum(a_sum, axis=0)
     _store_out(
         acc,
@@ -614,8 +592,8 @@ def w4a16_gemm(
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
     if config is None:
-        fits = gemv_fits(group_size, scales.shape[0], gemv_tile()[1], g_idx is not None)
-        config = w4a16_config(m, n, k, x.device, gemv=fits)
+        block_k = gemv_block_k(group_size, scales.shape[0], g_idx is not None)
+        config = w4a16_config(m, n, k, x.device, gemv_block_k=block_k)
     cfg: dict[str, Any] = dict(config)
     block_k = cfg["BLOCK_K"]
     if block_k % PACK or block_k < 16:

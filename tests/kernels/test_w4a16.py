@@ -110,17 +110,15 @@ def test_w4a16_group_modes_and_splits(
     _run(3, 232, 40, group_size, torch.float16, device, config=cfg, asym=False)
 
 
-@pytest.mark.parametrize("magic", [0, 1])
 @pytest.mark.parametrize("split", [1, 3, 16])
-@pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 64), (32, 232)])
+@pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 64), (32, 232), (128, 128)])
 def test_w4a16_gemv_one_row(
-    magic: int, split: int, block_k: int, group_size: int, device: torch.device
+    split: int, block_k: int, group_size: int, device: torch.device
 ) -> None:
-    """The one-row kernel, with and without its conversion-free nibbles: tiles of one
-    group (or one group in all), zero points or not, an act-order permutation, every
-    split count, K and N whole tiles or not (the mask-free loop and the masked one)."""
+    """The one-row kernel: tiles of one group (or one group in all), zero points or not,
+    an act-order permutation, every split count, K and N whole tiles or not (the
+    mask-free loop and the masked one)."""
     cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split}
-    cfg["MAGIC"] = magic
     for dtype in kernel_dtypes():
         _run(1, 232, 40, group_size, dtype, device, config=cfg)
     _run(1, 232, 40, group_size, torch.float32, device, config=cfg, asym=False)
@@ -243,18 +241,26 @@ def test_config_splits_decode_and_not_prefill() -> None:
     assert sms >= 1
 
 
-def test_gemv_takes_4_k_tiles_a_program_where_that_still_fills_the_sms(
+def test_gemv_takes_256_rows_of_k_a_program_where_that_still_fills_the_sms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On a 132-SM H100 (lease r22's sweep): 2 tiles a program for qkv and o, 4 for gate_up
-    and down."""
+    """On a 132-SM H100 (leases r22-r24's sweeps): 128 rows of K a program for qkv and o,
+    256 for gate_up and down, in 128-row tiles where the groups allow (64 otherwise)."""
     monkeypatch.setattr(w4a16, "is_interpreter", lambda: False)
     monkeypatch.setattr(w4a16, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     splits = {(k, n): w4a16_config(1, n, k, dev)["SPLIT_K"] for k, n in SHAPES_8B}
     assert splits == {(4096, 6144): 32, (4096, 4096): 32, (4096, 28672): 16, (14336, 4096): 56}
+    for block_k in (128, 64):
+        by_k = {(k, n): w4a16_config(1, n, k, dev, gemv_block_k=block_k)["SPLIT_K"]
+                for k, n in SHAPES_8B}  # fmt: skip
+        assert by_k == splits  # the same rows of K a program in tiles of 64
     cfg = w4a16_config(1, 4096, 4096, dev)
-    assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (256, 64, 2)
+    assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (256, 128, 2)
+    assert w4a16.gemv_block_k(128, 32, False) == 128
+    assert w4a16.gemv_block_k(64, 64, False) == 64
+    assert w4a16.gemv_block_k(32, 128, False) is None  # two groups in every 64-row tile
+    assert w4a16.gemv_block_k(w4a16.ONE_GROUP, 1, False) == 128
 
 
 # ---- GPU: the 8B model's shapes, CUDA graphs ------------------------------------------
