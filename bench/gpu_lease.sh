@@ -576,6 +576,26 @@ plan_r25() {
   bench tp 300 ceilings,tp1,tp2
 }
 
+# r26 (one H100, issue 23): FP8 activations quantized by the norm and SiLU-and-mul kernels,
+# the W4A16 GEMV's 128-row tiles (NOTES e39): the changed kernels' tests natively and the
+# FP8 engine GPU tests, A's decode step, bf16 C/A/B beside the fp8 phase (FP8 A's ratio in
+# one lease), int4 C; then the int4 engine tests and the accuracy script.
+plan_r26() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-kernels 280 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_elementwise.py \
+    tests/kernels/test_fp8_gemm.py tests/kernels/test_w4a16.py
+  wait
+  step tests-fp8 240 "${PT[@]}" tests/gpu/test_engine_cuda.py -k fp8
+  bench decode-kernels-a 200 decode-kernels-a
+  bench ours 200 ours
+  bench fp8 300 fp8
+  bench int4 200 int4
+  step tests-int4 200 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  step accuracy 150 python3 bench/fp8_accuracy.py --model "$CKPT" --tokens 4096 \
+    --seq-len 1024 --out "$RES/fp8_accuracy.json"
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
