@@ -189,10 +189,8 @@ def test_fp8_linear_on_cuda_matches_the_dequantized_product() -> None:
 
 
 def _token_logprobs(path: Path, **kw: object) -> list[list[float]]:
-    """Greedy tokens' own logprobs (``logprobs=0``), per prompt (Triton backend unless
-    ``attention_backend`` says otherwise)."""
-    kw.setdefault("attention_backend", "triton")
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", **kw)
+    """Greedy tokens' own logprobs (``logprobs=0``), per prompt."""
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **kw)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     outs = llm.generate(PROMPTS, sp)
     llm.engine.core.shutdown()
@@ -213,24 +211,10 @@ def _assert_fp8_graphs_track_eager(
     within a third of the distance between FP8 and bf16 eager themselves."""
     first = [g[0] == e[0] for g, e in zip(graphs, eager, strict=True)]
     assert all(first)  # the prefill runs eagerly in both
-    _assert_fp8_runs_agree(path, graphs, eager, kw, {}, {"enforce_eager": True})
-
-
-def _assert_fp8_runs_agree(
-    path: Path,
-    got: list[list[int]],
-    want: list[list[int]],
-    kw: dict[str, object],
-    got_kw: dict[str, object],
-    want_kw: dict[str, object],
-) -> None:
-    """Two FP8 engines (``kw`` plus ``got_kw`` / ``want_kw``) by their greedy tokens'
-    logprobs along the tokens both took: within a third of the distance between the
-    ``want`` engine and the same engine in bf16 (see above)."""
-    lp_got = _token_logprobs(path, **kw, **got_kw)
-    lp_want = _token_logprobs(path, **kw, **want_kw)
+    lp_graphs = _token_logprobs(path, **kw)
+    lp_eager = _token_logprobs(path, enforce_eager=True, **kw)
     no_fp8 = {k: v for k, v in kw.items() if k not in ("quantization", "kv_cache_dtype")}
-    lp_bf16 = _token_logprobs(path, **no_fp8, **want_kw)
+    lp_bf16 = _token_logprobs(path, enforce_eager=True, **no_fp8)
 
     def dist(a: list[list[float]], b: list[list[float]], n: list[int]) -> float:
         pairs = [(x, y) for i, m in enumerate(n) for x, y in zip(a[i][:m], b[i][:m], strict=True)]
@@ -238,15 +222,14 @@ def _assert_fp8_runs_agree(
 
     common = [
         next((j for j, (x, y) in enumerate(zip(g, e, strict=True)) if x != y), len(g))
-        for g, e in zip(got, want, strict=True)
+        for g, e in zip(graphs, eager, strict=True)
     ]
-    assert sum(common) >= len(PROMPTS)
-    got_vs_want = dist(lp_got, lp_want, common)
+    graphs_vs_eager = dist(lp_graphs, lp_eager, common)
     first_token = [1] * len(PROMPTS)  # the bf16 model's tokens differ from FP8's after that
-    fp8_vs_bf16 = dist(lp_want, lp_bf16, first_token)
-    print(f"FP8 logprobs: {got_kw} vs {want_kw} {got_vs_want:.4f}, FP8 vs bf16 {fp8_vs_bf16:.4f}")
+    fp8_vs_bf16 = dist(lp_eager, lp_bf16, first_token)
+    print(f"FP8 logprobs: graphs vs eager {graphs_vs_eager:.4f}, FP8 vs bf16 {fp8_vs_bf16:.4f}")
     assert fp8_vs_bf16 > 0
-    assert got_vs_want <= fp8_vs_bf16 / 3
+    assert graphs_vs_eager <= fp8_vs_bf16 / 3
 
 
 def test_fp8_engine_with_cuda_graphs_matches_eager(checkpoint_factory: Callable[..., Path]) -> None:
@@ -258,16 +241,55 @@ def test_fp8_engine_with_cuda_graphs_matches_eager(checkpoint_factory: Callable[
     _assert_fp8_graphs_track_eager(path, graphs, eager, kw)
 
 
-def test_fp8_weights_triton_matches_torch_backend(checkpoint_factory: Callable[..., Path]) -> None:
-    """FP8 weights with the Triton kernels, whose norm and SiLU-and-mul quantize their own
-    outputs for the next GEMM, against the torch backend, which quantizes them apart."""
+def test_fp8_activations_quantized_by_the_norms_track_the_unfused_kernels(
+    checkpoint_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FP8 weights with the norm and SiLU-and-mul kernels quantizing their outputs for the
+    GEMM after them, against the same engine quantizing them in kernels of their own
+    (``fp8_input_group`` None). The codes are those of the unfused kernels up to the fused
+    norm's order of summation; yardstick as above: along the tokens both took, within a
+    third of the distance between the unfused engine and bf16."""
+    from kvscale.server.quantization.fp8 import Fp8LinearMethod
+
     path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
     kw = dict(quantization="fp8", enforce_eager=True, **FIXED_POOL)
-    want = _tokens(path, "torch", "bfloat16", **kw)
-    got = _tokens(path, "triton", "bfloat16", **kw)
-    _assert_fp8_runs_agree(
-        path, got, want, kw, {"attention_backend": "triton"}, {"attention_backend": "torch"}
-    )
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+    def greedy(**extra: object) -> tuple[list[list[int]], list[list[float]], int | None]:
+        """Greedy tokens, their logprobs, and the down projection's ``fp8_input_group``."""
+        args = {**kw, **extra}
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **args)
+        fused = getattr(llm.engine.worker.model.model.layers[1].mlp.down_proj,
+                        "fp8_input_group", None)  # fmt: skip
+        outs = llm.generate(PROMPTS, sp)
+        llm.engine.core.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        lps = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs]
+        return [o.outputs[0].token_ids for o in outs], lps, fused
+
+    got, got_lp, fused = greedy()
+    with monkeypatch.context() as m:
+        m.setattr(Fp8LinearMethod, "fp8_input_group", lambda self, k: None)
+        want, want_lp, unfused = greedy()
+        bf16_lp = greedy(quantization=None)[1]
+    assert fused is not None and unfused is None
+
+    def dist(a: list[list[float]], b: list[list[float]], n: list[int]) -> float:
+        pairs = [(x, y) for i, m in enumerate(n) for x, y in zip(a[i][:m], b[i][:m], strict=True)]
+        return sum(abs(x - y) for x, y in pairs) / len(pairs)
+
+    common = [
+        next((j for j, (x, y) in enumerate(zip(g, e, strict=True)) if x != y), len(g))
+        for g, e in zip(got, want, strict=True)
+    ]
+    fused_vs_unfused = dist(got_lp, want_lp, common)
+    fp8_vs_bf16 = dist(want_lp, bf16_lp, [1] * len(PROMPTS))
+    print(f"FP8 logprobs: fused vs unfused {fused_vs_unfused:.4f} over {sum(common)} tokens, "
+          f"FP8 vs bf16 {fp8_vs_bf16:.4f}")  # fmt: skip
+    assert sum(common) >= 2 * len(PROMPTS)
+    assert fused_vs_unfused <= fp8_vs_bf16 / 3
 
 
 def test_fp8_kv_cache_triton_matches_torch_backend(checkpoint_factory: Callable[..., Path]) -> None:
