@@ -537,7 +537,7 @@ plan_r23() {
   bench serve-piecewise 420 serve-piecewise --piecewise-concurrency 64,256
 }
 
-# r24 (one H100, issue 23; next session): FP8 after fast accumulation and the fp16 read
+# r24 (one H100, issue 23; ran 2026-11-27, NOTES e36-e38 measured): FP8 after fast accumulation and the fp16 read
 # of an FP8 KV cache (NOTES e36), the W4A16 GEMV's MAGIC and mask-free loop (e37): kernel
 # tests, the W4A16 sweep, A's decode step, the fp8 phase (C, A, D
 # c=64 for FP8 weights and weights + KV) and the accuracy script against bf16; then D
@@ -576,7 +576,7 @@ plan_r25() {
   bench tp 300 ceilings,tp1,tp2
 }
 
-# r26 (one H100, issue 23): FP8 activations quantized by the norm and SiLU-and-mul kernels,
+# r26 (one H100, issue 23; ran 2026-11-27, NOTES e39 measured): FP8 activations quantized by the norm and SiLU-and-mul kernels,
 # the W4A16 GEMV's 128-row tiles (NOTES e39): the changed kernels' tests natively and the
 # FP8 engine GPU tests, A's decode step, bf16 C/A/B beside the fp8 phase (FP8 A's ratio in
 # one lease), int4 C; then the int4 engine tests and the accuracy script.
@@ -594,6 +594,22 @@ plan_r26() {
   step tests-int4 200 "${PT[@]}" tests/gpu/test_int4_cuda.py
   step accuracy 150 python3 bench/fp8_accuracy.py --model "$CKPT" --tokens 4096 \
     --seq-len 1024 --out "$RES/fp8_accuracy.json"
+}
+
+# r27 (one H100, issue 23; next session): why r26's GPTQ int4 C (4.17 ms) fell behind AWQ's
+# (3.47) after the GEMV's 128-row tiles: the GEMV alone with and without zero points in
+# 64- and 128-row tiles, the int4 phase twice, the GPTQ model's decode step kernel by
+# kernel; and the test of the fused FP8 quantization against the unfused kernels.
+plan_r27() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step w4a16-zero-points 120 python3 bench/w4a16_zero_points.py
+  wait
+  step tests-fp8 240 "${PT[@]}" -s tests/gpu/test_engine_cuda.py -k fp8
+  bench int4 200 ours,int4
+  mv "$RES/phase_int4.json" "$RES/phase_int4_first.json"
+  bench int4-again 200 int4
+  bench decode-kernels-int4 200 decode-kernels-int4
 }
 
 case "$1" in
