@@ -597,15 +597,15 @@ plan_r26() {
 }
 
 # r27 (one H100, issue 23; next session): why r26's GPTQ int4 C (4.17 ms) fell behind AWQ's
-# (3.47) after the GEMV's 128-row tiles: the GEMV alone with and without zero points in
-# 64- and 128-row tiles, the int4 phase twice, the GPTQ model's decode step kernel by
-# kernel; and the test of the fused FP8 quantization against the unfused kernels.
+# (3.47) after the GEMV's 128-row tiles: the W4A16 sweep (its default GEMV also without
+# zero points, in 128- and 64-row tiles), the int4 phase twice, the GPTQ model's decode
+# step kernel by kernel; and the FP8 engine tests with the fused quantization's new one.
 plan_r27() {
   facts
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
-  step w4a16-zero-points 120 python3 bench/w4a16_zero_points.py
-  wait
   step tests-fp8 240 "${PT[@]}" -s tests/gpu/test_engine_cuda.py -k fp8
+  wait
+  step kernels-w4a16 240 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
   bench int4 200 ours,int4
   mv "$RES/phase_int4.json" "$RES/phase_int4_first.json"
   bench int4-again 200 int4

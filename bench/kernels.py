@@ -278,7 +278,7 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
         timed = [
             r
             for r in rows
-            if r["layer"] == layer and "us" in r
+            if r["layer"] == layer and "us" in r and r.get("zeros", True)
             and r.get("rel_error", 0.0) <= SWEEP_MAX_REL_ERROR
         ]  # fmt: skip
         if not timed:
@@ -644,6 +644,7 @@ class Bench:
         ]
         gemv = bool(base.get("GEMV"))
         tiles_of = [0] * len(configs)  # the GEMV configs' K tiles a program
+        symmetric = [False] * len(configs)  # timed without zero points (GPTQ's layout)
         if gemv:
             for bn, bk, warps, stages in W4A16_GEMV_SWEEP:
                 for tiles in W4A16_GEMV_TILES:
@@ -653,6 +654,13 @@ class Bench:
                              num_warps=warps, num_stages=stages)
                     )  # fmt: skip
                     tiles_of.append(tiles)
+            # the default GEMV in 128- and 64-row K tiles without zero points (r26: GPTQ's
+            # int4 C fell behind AWQ's after the 128-row tiles, NOTES e39)
+            symmetric += [False] * (len(configs) - len(symmetric))
+            for block_k in (128, 64):
+                configs.append(w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=block_k))
+                tiles_of.append(0)
+                symmetric.append(True)
         else:
             splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
             for bn, bk, warps, stages in W4A16_SWEEP:
@@ -662,14 +670,19 @@ class Bench:
                              num_warps=warps, num_stages=stages)
                     )  # fmt: skip
                     tiles_of.append(0)
+        symmetric += [False] * (len(configs) - len(symmetric))
         rows = []
         nbytes = w4a16_bytes(m, k, n, W4A16_GROUP, zeros=True)
         ref = w4a16.w4a16_gemm_ref(x, qw, s, z, W4A16_GROUP)
+        ref_sym = w4a16.w4a16_gemm_ref(x, qw, s, None, W4A16_GROUP) if gemv else None
         for i, cfg in enumerate(configs):
+            zeros, want = (None, ref_sym) if symmetric[i] else (z, ref)
             try:
-                err = rel_error(w4a16.w4a16_gemm(x, qw, s, z, W4A16_GROUP, config=cfg), ref)
+                err = rel_error(w4a16.w4a16_gemm(x, qw, s, zeros, W4A16_GROUP, config=cfg), want)
                 ms = self.time_graph_ms(
-                    lambda cfg=cfg: w4a16.w4a16_gemm(x, qw, s, z, W4A16_GROUP, config=cfg)
+                    lambda cfg=cfg, zeros=zeros: w4a16.w4a16_gemm(
+                        x, qw, s, zeros, W4A16_GROUP, config=cfg
+                    )
                 )
             except Exception as e:  # a config that does not compile (shared memory)
                 rows.append({"layer": layer, "m": m, "config": cfg, "error": repr(e)[:200]})
@@ -680,6 +693,7 @@ class Bench:
                     "m": m,
                     "config": cfg,
                     "heuristic": i == 0,
+                    "zeros": not symmetric[i],
                     "tiles": tiles_of[i],
                     "rel_error": err,
                     "us": ms * 1e3,
