@@ -168,9 +168,10 @@ def fused_add_rms_norm_quant(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual <- x + residual`` in place, and ``rms_norm(residual, weight, eps)`` in
     ``x``'s dtype quantized to FP8 per ``group`` columns of each row, returned as (codes
-    ``[T, H]`` float8_e4m3fn, scales ``[T, H / group]`` fp32): the bits of
-    :func:`fused_add_rms_norm` then ``fp8.quantize_groups``, in one kernel that never
-    stores the 16-bit norm (``x`` is left as it was). ``group``: see
+    ``[T, H]`` float8_e4m3fn, scales ``[T, H / group]`` fp32): those of
+    :func:`fused_add_rms_norm` then ``fp8.quantize_groups`` (up to the order of the
+    norm's sum: a code may be one step apart), in one kernel that never stores the
+    16-bit norm (``x`` is left as it was). ``group``: see
     :func:`fp8_group_fusable`."""
     hidden = x.shape[-1]
     if residual.shape != x.shape or weight.shape != (hidden,):

@@ -174,7 +174,8 @@ def w4a16_config(
     2 warps, K split so that each program takes 256 rows of K where that still leaves
     ``GEMV_PROGRAMS_PER_SM`` programs an SM, else 128 (leases r22-r24's sweeps at the 8B
     shapes, NOTES e33 and e37: in 128-row tiles where the groups allow, 5-10% faster
-    than in 64-row ones). Other decode-sized
+    than in 64-row ones; in the engine, r26: AWQ's int4 C 3.74 -> 3.47 ms, GPTQ's 3.73 ->
+    4.17, not explained yet, NOTES e39). Other decode-sized
     batches (``m <= 64``) take 16/32/64-row tiles, split until there are about
     ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K tile); larger
     batches take 128 x 128 tiles, split only while the output tiles alone leave SMs idle.

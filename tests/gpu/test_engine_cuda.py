@@ -270,8 +270,8 @@ def test_fp8_activations_quantized_by_the_norms_track_the_unfused_kernels(
         return [o.outputs[0].token_ids for o in outs], lps, fused
 
     got, got_lp, fused = greedy()
-    with monkeypatch.context() as m:
-        m.setattr(Fp8LinearMethod, "fp8_input_group", lambda self, k: None)
+    with monkeypatch.context() as patch:
+        patch.setattr(Fp8LinearMethod, "fp8_input_group", lambda self, k: None)
         want, want_lp, unfused = greedy()
         bf16_lp = greedy(quantization=None)[1]
     assert fused is not None and unfused is None
