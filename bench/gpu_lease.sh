@@ -606,6 +606,8 @@ plan_r27() {
   step tests-fp8 240 "${PT[@]}" -s tests/gpu/test_engine_cuda.py -k fp8
   wait
   step kernels-w4a16 240 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv \
+    > "$RES/gpu-apps-before-int4.txt" 2>&1  # r26: was another process still on the GPU?
   bench int4 200 ours,int4
   mv "$RES/phase_int4.json" "$RES/phase_int4_first.json"
   bench int4-again 200 int4
