@@ -200,6 +200,21 @@ def _token_logprobs(path: Path, **kw: object) -> list[list[float]]:
     return [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs]
 
 
+def _common_prefixes(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    """Per prompt, how many leading tokens two greedy runs share."""
+    return [
+        next((j for j, (x, y) in enumerate(zip(g, e, strict=True)) if x != y), len(g))
+        for g, e in zip(a, b, strict=True)
+    ]
+
+
+def _logprob_distance(a: list[list[float]], b: list[list[float]], n: list[int]) -> float:
+    """Mean absolute difference of two runs' token logprobs over each prompt's first
+    ``n[i]`` tokens."""
+    pairs = [(x, y) for i, m in enumerate(n) for x, y in zip(a[i][:m], b[i][:m], strict=True)]
+    return sum(abs(x - y) for x, y in pairs) / len(pairs)
+
+
 def _assert_fp8_graphs_track_eager(
     path: Path, graphs: list[list[int]], eager: list[list[int]], kw: dict[str, object]
 ) -> None:
@@ -216,17 +231,10 @@ def _assert_fp8_graphs_track_eager(
     no_fp8 = {k: v for k, v in kw.items() if k not in ("quantization", "kv_cache_dtype")}
     lp_bf16 = _token_logprobs(path, enforce_eager=True, **no_fp8)
 
-    def dist(a: list[list[float]], b: list[list[float]], n: list[int]) -> float:
-        pairs = [(x, y) for i, m in enumerate(n) for x, y in zip(a[i][:m], b[i][:m], strict=True)]
-        return sum(abs(x - y) for x, y in pairs) / len(pairs)
-
-    common = [
-        next((j for j, (x, y) in enumerate(zip(g, e, strict=True)) if x != y), len(g))
-        for g, e in zip(graphs, eager, strict=True)
-    ]
-    graphs_vs_eager = dist(lp_graphs, lp_eager, common)
+    common = _common_prefixes(graphs, eager)
+    graphs_vs_eager = _logprob_distance(lp_graphs, lp_eager, common)
     first_token = [1] * len(PROMPTS)  # the bf16 model's tokens differ from FP8's after that
-    fp8_vs_bf16 = dist(lp_eager, lp_bf16, first_token)
+    fp8_vs_bf16 = _logprob_distance(lp_eager, lp_bf16, first_token)
     print(f"FP8 logprobs: graphs vs eager {graphs_vs_eager:.4f}, FP8 vs bf16 {fp8_vs_bf16:.4f}")
     assert fp8_vs_bf16 > 0
     assert graphs_vs_eager <= fp8_vs_bf16 / 3
@@ -276,16 +284,9 @@ def test_fp8_activations_quantized_by_the_norms_track_the_unfused_kernels(
         bf16_lp = greedy(quantization=None)[1]
     assert fused is not None and unfused is None
 
-    def dist(a: list[list[float]], b: list[list[float]], n: list[int]) -> float:
-        pairs = [(x, y) for i, m in enumerate(n) for x, y in zip(a[i][:m], b[i][:m], strict=True)]
-        return sum(abs(x - y) for x, y in pairs) / len(pairs)
-
-    common = [
-        next((j for j, (x, y) in enumerate(zip(g, e, strict=True)) if x != y), len(g))
-        for g, e in zip(got, want, strict=True)
-    ]
-    fused_vs_unfused = dist(got_lp, want_lp, common)
-    fp8_vs_bf16 = dist(want_lp, bf16_lp, [1] * len(PROMPTS))
+    common = _common_prefixes(got, want)
+    fused_vs_unfused = _logprob_distance(got_lp, want_lp, common)
+    fp8_vs_bf16 = _logprob_distance(want_lp, bf16_lp, [1] * len(PROMPTS))
     print(f"FP8 logprobs: fused vs unfused {fused_vs_unfused:.4f} over {sum(common)} tokens, "
           f"FP8 vs bf16 {fp8_vs_bf16:.4f}")  # fmt: skip
     assert sum(common) >= 2 * len(PROMPTS)
