@@ -634,49 +634,41 @@ class Bench:
         ops = self._w4a16_operands(m, k, n)
         x, qw, s, z = ops["x"], ops["qweight"], ops["scales"], ops["zeros"]
         base = w4a16.w4a16_config(m, n, k, self.device)
-        # the heuristic's, the same with split-K summed by a second kernel (FIXUP 0), the
-        # tl.dot kernel's heuristic (for one row: what GEMV replaced), then the sweep's
-        # tiles with the heuristic's kernel (for one row: K tiles a program, not splits)
-        configs = [
-            dict(base),
-            dict(base, FIXUP=0),
-            w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=None),
+        # (config, its K tiles a program (GEMV sweep), timed without zero points (GPTQ's
+        # layout)): the heuristic's, the same with split-K summed by a second kernel
+        # (FIXUP 0), the tl.dot kernel's heuristic (for one row: what GEMV replaced), then
+        # the sweep's tiles with the heuristic's kernel (for one row: K tiles a program)
+        configs: list[tuple[dict[str, int], int, bool]] = [
+            (dict(base), 0, False),
+            (dict(base, FIXUP=0), 0, False),
+            (w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=None), 0, False),
         ]
         gemv = bool(base.get("GEMV"))
-        tiles_of = [0] * len(configs)  # the GEMV configs' K tiles a program
-        symmetric = [False] * len(configs)  # timed without zero points (GPTQ's layout)
         if gemv:
             for bn, bk, warps, stages in W4A16_GEMV_SWEEP:
                 for tiles in W4A16_GEMV_TILES:
                     split = max(1, -(-k // (bk * tiles)))
-                    configs.append(
-                        dict(GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                             num_warps=warps, num_stages=stages)
-                    )  # fmt: skip
-                    tiles_of.append(tiles)
+                    cfg = dict(GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                               num_warps=warps, num_stages=stages)  # fmt: skip
+                    configs.append((cfg, tiles, False))
             # the default GEMV in 128- and 64-row K tiles without zero points (r26: GPTQ's
             # int4 C fell behind AWQ's after the 128-row tiles, NOTES e39)
-            symmetric += [False] * (len(configs) - len(symmetric))
             for block_k in (128, 64):
-                configs.append(w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=block_k))
-                tiles_of.append(0)
-                symmetric.append(True)
+                cfg = w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=block_k)
+                configs.append((cfg, 0, True))
         else:
             splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
             for bn, bk, warps, stages in W4A16_SWEEP:
                 for split in sorted(splits):
-                    configs.append(
-                        dict(BLOCK_M=base["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                             num_warps=warps, num_stages=stages)
-                    )  # fmt: skip
-                    tiles_of.append(0)
-        symmetric += [False] * (len(configs) - len(symmetric))
+                    cfg = dict(BLOCK_M=base["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                               num_warps=warps, num_stages=stages)  # fmt: skip
+                    configs.append((cfg, 0, False))
         rows = []
         nbytes = w4a16_bytes(m, k, n, W4A16_GROUP, zeros=True)
         ref = w4a16.w4a16_gemm_ref(x, qw, s, z, W4A16_GROUP)
         ref_sym = w4a16.w4a16_gemm_ref(x, qw, s, None, W4A16_GROUP) if gemv else None
-        for i, cfg in enumerate(configs):
-            zeros, want = (None, ref_sym) if symmetric[i] else (z, ref)
+        for i, (cfg, tiles, symmetric) in enumerate(configs):
+            zeros, want = (None, ref_sym) if symmetric else (z, ref)
             try:
                 err = rel_error(w4a16.w4a16_gemm(x, qw, s, zeros, W4A16_GROUP, config=cfg), want)
                 ms = self.time_graph_ms(
@@ -693,8 +685,8 @@ class Bench:
                     "m": m,
                     "config": cfg,
                     "heuristic": i == 0,
-                    "zeros": not symmetric[i],
-                    "tiles": tiles_of[i],
+                    "zeros": not symmetric,
+                    "tiles": tiles,
                     "rel_error": err,
                     "us": ms * 1e3,
                     "gb_per_s": gb_per_s(nbytes, ms),

@@ -184,11 +184,11 @@ def w4a16_config(
     """
     sms = num_sms(device)
     if m == 1 and gemv_block_k is not None:
-        block_n = 32 if is_interpreter() else 256
+        block_n, block_k = (32, 32) if is_interpreter() else (256, gemv_block_k)
         columns = triton.cdiv(n, block_n)
         per = 256 if columns * triton.cdiv(k, 256) >= GEMV_PROGRAMS_PER_SM * sms else 128
-        split = max(1, triton.cdiv(k, max(per, gemv_block_k)))
-        return {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": gemv_block_k,
+        split = max(1, triton.cdiv(k, max(per, block_k)))
+        return {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
                 "SPLIT_K": split, "num_warps": 2, "num_stages": 1}  # fmt: skip
     if is_interpreter():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
