@@ -41,6 +41,24 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def fp8_input(
+    x: torch.Tensor | Fp8Activation, group: int | None, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size, torch.dtype]:
+    """``x [..., K]`` as a GEMM's FP8 operand: (codes ``[T, K]``, fp32 scales, ``x``'s
+    shape and 16-bit dtype). An ``Fp8Activation`` comes quantized already; a tensor is
+    quantized here, per ``group`` columns of each token (None: all ``K``) or, given a
+    static per-tensor ``input_scale``, with it."""
+    if isinstance(x, Fp8Activation):
+        return x.codes, x.scales, x.codes.shape, x.dtype
+    x2 = x.reshape(-1, x.shape[-1])
+    if input_scale is None:  # one kernel on CUDA (ops routing)
+        xq, xs = ops.fp8_quantize_groups(x2, group or x2.shape[-1])
+    else:
+        xq = quantize_static(x2, input_scale)
+        xs = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+    return xq, xs, x.shape, x.dtype
+
+
 def fp8_linear(
     x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
@@ -52,17 +70,7 @@ def fp8_linear(
     ``weight_scale [N]``) -> ``[..., N]`` in ``x``'s dtype. ``input_scale`` (``[]``):
     static activation scale; None quantizes each token on the fly, or takes ``x``
     quantized so (an ``Fp8Activation [T, K]`` of one group a row)."""
-    if isinstance(x, Fp8Activation):
-        shape, dtype = x.codes.shape, x.dtype
-        xq, xs = x.codes, x.scales
-    else:
-        shape, dtype = x.shape, x.dtype
-        x2 = x.reshape(-1, shape[-1])
-        if input_scale is None:  # per token: one kernel on CUDA (ops routing)
-            xq, xs = ops.fp8_quantize_groups(x2, x2.shape[-1])
-        else:
-            xq = quantize_static(x2, input_scale)
-            xs = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+    xq, xs, shape, dtype = fp8_input(x, None, input_scale)
     y = torch._scaled_mm(
         xq,
         weight.t(),
@@ -209,11 +217,7 @@ class Fp8BlockLinearMethod(LinearMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if isinstance(x, Fp8Activation):
-            shape, dtype, xq, xs = x.codes.shape, x.dtype, x.codes, x.scales
-        else:
-            shape, dtype = x.shape, x.dtype
-            xq, xs = ops.fp8_quantize_groups(x.reshape(-1, shape[-1]), self.block[1])
+        xq, xs, shape, dtype = fp8_input(x, self.block[1])
         y = torch.ops.kvscale.w8a8_block_matmul(
             xq, xs, layer.weight, layer.weight_scale_inv, *self.block, dtype
         )
