@@ -13,6 +13,13 @@ import triton.language as tl
 
 from kvscale.kernels._utils import next_power_of_2
 from kvscale.kernels.fp8 import FP8_E4M3, ONE_PASS_MAX, quantize_groups_ref, quantize_store_groups
+from kvscale.kernels.rmsnorm import row_launch_opts
+
+
+@triton.jit
+def _silu_mul(a, b):
+    """``silu(a) * b`` in fp32 (``a``, ``b``: fp32)."""
+    return a / (1.0 + tl.exp(-a)) * b
 
 
 # Sizes that change every step are not specialized on, so no step recompiles.
@@ -31,7 +38,7 @@ def _silu_and_mul_kernel(
     mask = (offs < inter) & (row < num_rows)
     a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    y = a / (1.0 + tl.exp(-a)) * b
+    y = _silu_mul(a, b)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -71,7 +78,7 @@ def _silu_and_mul_quant_kernel(
     mask = (offs < (g + 1) * group) & (row < num_rows)
     a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (a / (1.0 + tl.exp(-a)) * b).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = _silu_mul(a, b).to(x_ptr.dtype.element_ty).to(tl.float32)
     s_offs = tl.arange(0, 1)
     quantize_store_groups(
         y, q_ptr + row * stride_q + offs, s_ptr + row * stride_s + g + s_offs, mask,
@@ -96,10 +103,9 @@ def silu_and_mul_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     q = torch.empty((rows, inter), dtype=FP8_E4M3, device=x.device)
     scale = torch.empty((rows, inter // group), dtype=torch.float32, device=x.device)
     if rows > 0:
-        block = next_power_of_2(group)
         _silu_and_mul_quant_kernel[(rows, inter // group)](
             x, q, scale, rows, inter, group, x.stride(0), q.stride(0), scale.stride(0),
-            BLOCK=block, num_warps=max(1, min(16, block // 512)),
+            **row_launch_opts(group),
         )  # fmt: skip
     return q, scale
 

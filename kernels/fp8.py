@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvscale.kernels._utils import next_power_of_2
+
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_E4M3).max)  # 448
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -140,8 +142,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     if m == 0:
         return q, scale
     one_pass = group <= ONE_PASS_MAX
-    width = 1 << (group - 1).bit_length()
-    block = width if one_pass else 1024
+    block = next_power_of_2(group) if one_pass else 1024
     warps = 1 if block < 512 else (4 if block <= 4096 else 8)
     _quantize_groups_kernel[(m, k // group)](
         x, q, scale, group, x.stride(0), q.stride(0), scale.stride(0), BLOCK=block,
