@@ -34,20 +34,20 @@ import datetime as dt
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from kvscale.kernels.fp8 import FP8_E4M3 as FP8
+from kvscale.kernels.fp8 import FP8_MAX
 from kvscale.kernels.testing import rel_error
-
-LAYERS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from kvscale.server.quantization.fp8 import quantize_rows
 
 
-def graph_timer() -> Callable[[Callable[[], object]], float]:
-    """``bench/kernels.py``'s timer: the median ms of a function replayed from a CUDA
-    graph (bench/ is not a package: loaded by path)."""
+def bench_kernels() -> ModuleType:
+    """``bench/kernels.py`` (its graph timer and the 8B layer shapes; bench/ is not a
+    package: loaded by path)."""
     import importlib.util
     import sys
 
@@ -57,7 +57,7 @@ def graph_timer() -> Callable[[Callable[[], object]], float]:
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(mod)
-    return mod.Bench(quick=False).time_graph_ms
+    return mod
 
 
 def variants(
@@ -68,8 +68,7 @@ def variants(
     engine runs them on CUDA (``ops.use_kernels(True)``: the caller's)."""
     from kvscale.server.layers import ops
 
-    ws = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX  # [N, 1]
-    wq = (w.float() / ws).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    wq, ws = quantize_rows(w)  # per output channel: ws [N, 1]
     wt, ws_row = wq.t(), ws.view(1, -1)
     w_scale = ws.max().reshape(())
     wq_t = (w.float() / w_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).t()
@@ -123,10 +122,11 @@ def main() -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     print(meta, flush=True)
-    time_graph_ms = graph_timer()
+    kernels = bench_kernels()
+    time_graph_ms = kernels.Bench(quick=False).time_graph_ms
     rows = []
     for m in (int(v) for v in args.rows.split(",")):
-        for layer, k, n in LAYERS:
+        for layer, k, n in kernels.W4A16_LAYERS:  # the 8B model's linear layers
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
             runs, ref = variants(x, w)
