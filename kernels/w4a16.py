@@ -50,6 +50,10 @@ ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
 TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
 GEMV_PROGRAMS_PER_SM = 3  # the GEMV takes 256 rows of K a program if that leaves this many
 GEMV_BLOCK_KS = (128, 64)  # the GEMV's K tile: the first that the groups allow
+# Without zero points (GPTQ's symmetric 8) the GEMV is slower in 128-row tiles than in 64
+# (r27's sweep on an H100: 129.0 against 108.6 us an 8B layer; with zero points 103.7 in
+# 128-row tiles), for reasons its SASS does not show (same instructions and registers).
+GEMV_BLOCK_KS_SYMMETRIC = (64,)
 MAX_SPLIT_K = 16
 MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
 
@@ -174,8 +178,8 @@ def w4a16_config(
     2 warps, K split so that each program takes 256 rows of K where that still leaves
     ``GEMV_PROGRAMS_PER_SM`` programs an SM, else 128 (leases r22-r24's sweeps at the 8B
     shapes, NOTES e33 and e37: in 128-row tiles where the groups allow, 5-10% faster
-    than in 64-row ones; in the engine, r26: AWQ's int4 C 3.74 -> 3.47 ms, GPTQ's 3.73 ->
-    4.17, not explained yet, NOTES e39). Other decode-sized
+    than in 64-row ones with zero points, ~20% slower without: NOTES e39 and e40). Other
+    decode-sized
     batches (``m <= 64``) take 16/32/64-row tiles, split until there are about
     ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K tile); larger
     batches take 128 x 128 tiles, split only while the output tiles alone leave SMs idle.
@@ -208,10 +212,16 @@ def w4a16_config(
     return cfg
 
 
-def gemv_block_k(group_size: int, groups: int, has_g_idx: bool) -> int | None:
-    """The GEMV's K tile for these groups: the first of ``GEMV_BLOCK_KS`` whose every
-    tile lies in one group (32 under the interpreter); None where none does."""
-    sizes = (32,) if is_interpreter() else GEMV_BLOCK_KS
+def gemv_block_k(
+    group_size: int, groups: int, has_g_idx: bool, has_zeros: bool = True
+) -> int | None:
+    """The GEMV's K tile for these groups: the first of ``GEMV_BLOCK_KS`` (without zero
+    points ``GEMV_BLOCK_KS_SYMMETRIC``) whose every tile lies in one group (32 under the
+    interpreter); None where none does."""
+    if is_interpreter():
+        sizes: tuple[int, ...] = (32,)
+    else:
+        sizes = GEMV_BLOCK_KS if has_zeros else GEMV_BLOCK_KS_SYMMETRIC
     return next((b for b in sizes if gemv_fits(group_size, groups, b, has_g_idx)), None)
 
 
@@ -593,7 +603,7 @@ def w4a16_gemm(
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
     if config is None:
-        block_k = gemv_block_k(group_size, scales.shape[0], g_idx is not None)
+        block_k = gemv_block_k(group_size, scales.shape[0], g_idx is not None, zeros is not None)
         config = w4a16_config(m, n, k, x.device, gemv_block_k=block_k)
     cfg: dict[str, Any] = dict(config)
     block_k = cfg["BLOCK_K"]
