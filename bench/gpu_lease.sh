@@ -614,6 +614,22 @@ plan_r27() {
   bench decode-kernels-int4 200 decode-kernels-int4
 }
 
+# r28 (one H100, issue 23; NOTES e40): o_proj's weights prefetched into L2 on a side stream
+# while the attention kernels run (l2_prefetch_max_batch): its GPU test (the same tokens
+# with it, dense and FP8), C off and on in alternating engines, the decode step kernel by
+# kernel with it on and off; then int4: GPTQ's GEMV in 64-row tiles, the prefetch with AWQ.
+plan_r28() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-prefetch 200 "${PT[@]}" tests/gpu/test_engine_cuda.py -k "prefetch or graphs_match"
+  wait
+  bench prefetch 300 prefetch
+  bench decode-kernels 150 decode-kernels
+  bench int4 200 int4  # GPTQ in 64-row tiles now (r27's sweep)
+  bench prefetch-int4 200 prefetch-int4
+  bench decode-kernels-int4 150 decode-kernels-int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
