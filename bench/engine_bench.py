@@ -1166,6 +1166,8 @@ def phase_prefetch(ckpt: Path) -> dict[str, Any]:
         res["C_tpot_ms"]["on" if on else "off"].append(tpot)
         print(f"prefetch {'on' if on else 'off'}: C {tpot:.3f} ms", flush=True)
         _close(llm)
+        del llm  # before the next engine is built (r28: out of memory without)
+        _free_gpu()
     res["decode_kernels_on"] = phase_decode_kernels(
         ckpt, l2_prefetch_max_batch=PREFETCH_MAX_BATCH
     )

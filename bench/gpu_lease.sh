@@ -630,6 +630,19 @@ plan_r28() {
   bench decode-kernels-int4 150 decode-kernels-int4
 }
 
+# r29 (one H100, issue 23; NOTES e40): r28's prefetch phases again (r28's ran out of memory:
+# the engine before was still referenced), beside the checkpoint's write the W4A16 kernel
+# and engine tests natively (the symmetric GEMV's 64-row tiles).
+plan_r29() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-int4 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
+    tests/gpu/test_int4_cuda.py
+  wait
+  bench prefetch 300 prefetch
+  bench prefetch-int4 200 prefetch-int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
