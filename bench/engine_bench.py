@@ -125,8 +125,6 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "decode-kernels",
     "decode-kernels-int4",
     "decode-kernels-a",
-    "prefetch",
-    "prefetch-int4",
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
@@ -134,7 +132,6 @@ TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce")  # two GPUs; ru
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
-PREFETCH_MAX_BATCH = 256  # the prefetch phase's setting: every decode graph
 
 
 def _sibling(name: str) -> Any:
@@ -1154,26 +1151,6 @@ def phase_decode_kernels(
     return res
 
 
-def phase_prefetch(ckpt: Path) -> dict[str, Any]:
-    """The L2 prefetch of o_proj's weights (``l2_prefetch_max_batch``): C off and on,
-    alternating engines (off, on, off, on: the spread of each beside the difference),
-    then decode steps kernel by kernel with it on (``decode-kernels`` and
-    ``decode-kernels-int4`` have them off). ``prefetch-int4``: the same with AWQ int4."""
-    res: dict[str, Any] = {"C_tpot_ms": {"off": [], "on": []}}
-    for on in (False, True, False, True):
-        llm = _llm(ckpt, l2_prefetch_max_batch=PREFETCH_MAX_BATCH if on else 0)
-        tpot = _latency(llm)["tpot_ms"]
-        res["C_tpot_ms"]["on" if on else "off"].append(tpot)
-        print(f"prefetch {'on' if on else 'off'}: C {tpot:.3f} ms", flush=True)
-        _close(llm)
-        del llm  # before the next engine is built (r28: out of memory without)
-        _free_gpu()
-    res["decode_kernels_on"] = phase_decode_kernels(
-        ckpt, l2_prefetch_max_batch=PREFETCH_MAX_BATCH
-    )
-    return res
-
-
 def phase_decode_kernels_a(ckpt: Path) -> dict[str, Any]:
     """A's decode steps (256 sequences after 512-token prompts) kernel by kernel, in
     bf16 and in each FP8 variant: where FP8's decode steps stay slow (issue 23's FP8 A)."""
@@ -1806,8 +1783,6 @@ def main(argv: list[str] | None = None) -> int:
         "decode-kernels": lambda: phase_decode_kernels(ckpt),
         "decode-kernels-int4": lambda: phase_decode_kernels(int4_checkpoint(ckpt, "gptq")),
         "decode-kernels-a": lambda: phase_decode_kernels_a(ckpt),
-        "prefetch": lambda: phase_prefetch(ckpt),
-        "prefetch-int4": lambda: phase_prefetch(int4_checkpoint(ckpt, "awq")),
         "piecewise": lambda: phase_piecewise(ckpt, out / "compile-cache"),
         "piecewise-warm": lambda: phase_piecewise_warm(ckpt, out / "compile-cache"),
         "serve-piecewise": lambda: phase_serve_piecewise(

@@ -614,6 +614,8 @@ plan_r27() {
   bench decode-kernels-int4 200 decode-kernels-int4
 }
 
+# r28 and r29 ran at 66dab5e-1f93c28: the L2 prefetch and its phases were removed after r29
+# measured no gain (NOTES e40).
 # r28 (one H100, issue 23; NOTES e40): o_proj's weights prefetched into L2 on a side stream
 # while the attention kernels run (l2_prefetch_max_batch): its GPU test (the same tokens
 # with it, dense and FP8), C off and on in alternating engines, the decode step kernel by

@@ -154,14 +154,6 @@ class EngineConfig:
         group="compilation",
         choices=CUDA_GRAPH_MODES,
     )
-    l2_prefetch_max_batch: int = setting(
-        0,
-        "decode CUDA graphs of up to this many sequences prefetch each o_proj's weights "
-        "into the GPU's L2 cache while the attention kernels run (sm_90+; a side stream "
-        "in the graph); 0 = off",
-        group="compilation",
-        min=0,
-    )
     piecewise_max_tokens: int = setting(
         DEFAULT_PIECEWISE_MAX_TOKENS,
         "largest step (new tokens) captured as piecewise graphs when "

@@ -25,7 +25,6 @@ from kvscale.server.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from kvscale.server.layers.prefetch import prefetch_weights
 from kvscale.server.layers.rotary import RotaryEmbedding
 from kvscale.server.parallel import ParallelState
 from kvscale.server.quantization import LinearMethod, QuantizationConfig
@@ -82,7 +81,6 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        prefetch_weights(self.o_proj)  # read while the attention kernels leave memory idle
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, positions, self.rotary))
 

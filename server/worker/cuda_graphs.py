@@ -7,8 +7,7 @@ sequence lengths, block tables) and from ``last_tokens``, the previous step's sa
 that placeholder ids point at. A step of ``n`` sequences (its inputs already padded to
 the graph's size ``bs`` and on the device) is copied into the first ``bs`` rows, and
 graph ``bs`` is replayed; padding rows write nothing (slot -1) and attend to one token
-of block 0, and their logits are dropped. Graphs of up to ``prefetch_max_batch`` rows
-prefetch weights into L2 on a side stream (``layers.prefetch``) inside the graph.
+of block 0, and their logits are dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from torch import nn
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.forward_context import forward_context
 from kvscale.server.attention.metadata import AttentionMetadata
-from kvscale.server.layers.prefetch import WeightPrefetch
 from kvscale.server.worker.step import resolve_placeholders
 
 log = logging.getLogger(__name__)
@@ -47,12 +45,8 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         block_size: int,
         last_tokens: torch.Tensor,
-        prefetch: WeightPrefetch | None = None,
-        prefetch_max_batch: int = 0,
     ) -> None:
         self.model = model
-        self.prefetch = prefetch
-        self.prefetch_max_batch = prefetch_max_batch
         self.backend = backend
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch = self.batch_sizes[-1]
@@ -82,13 +76,9 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> torch.Tensor:
         ids = resolve_placeholders(self.input_ids[:bs], self.last_tokens)
-        prefetch = self.prefetch if bs <= self.prefetch_max_batch else None
-        with forward_context(self.backend, self._meta(bs), prefetch):
+        with forward_context(self.backend, self._meta(bs)):
             hidden = self.model(ids, self.positions[:bs])
-            logits = self.model.compute_logits(hidden)  # type: ignore[operator]
-        if prefetch is not None:
-            prefetch.join()
-        return logits
+            return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> None:

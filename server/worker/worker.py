@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvscale.kernels.l2_prefetch import l2_prefetch_supported
 from kvscale.server.attention.backend import get_backend
 from kvscale.server.attention.forward_context import forward_context
 from kvscale.server.attention.metadata import AttentionMetadata
@@ -34,7 +33,6 @@ from kvscale.server.compilation.config import CompilationConfig
 from kvscale.server.config import ResolvedConfig
 from kvscale.server.engine.core_outputs import RowLogprobs
 from kvscale.server.layers import ops
-from kvscale.server.layers.prefetch import WeightPrefetch
 from kvscale.server.layers.sampler import (
     SamplingTensors,
     apply_logit_bias,
@@ -268,21 +266,12 @@ class Worker:
                 max_blocks,
                 eng.block_size,
                 self.last_tokens,
-                *self._prefetch(device),
             )
             self.graphs.capture(pool)
         self.dispatcher = GraphDispatcher(
             tuple(self.graphs.batch_sizes) if self.graphs else (),
             compilation.capture_sizes if self.piecewise else (),
         )
-
-    def _prefetch(self, device: torch.device) -> tuple[WeightPrefetch | None, int]:
-        """The decode graphs' weight prefetcher and the largest batch it serves (None, 0:
-        off, or not a GPU with ``l2_prefetch``)."""
-        max_batch = self.config.engine.l2_prefetch_max_batch
-        if max_batch == 0 or not l2_prefetch_supported(device):
-            return None, 0
-        return WeightPrefetch(device), max_batch
 
     def _piecewise(
         self, compilation: CompilationConfig, max_blocks: int, pool: Any, use_kernels: bool

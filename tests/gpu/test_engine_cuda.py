@@ -113,27 +113,6 @@ def test_cuda_graphs_match_eager(checkpoint_factory: Callable[..., Path]) -> Non
     assert graphs == eager
 
 
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_l2_prefetch_in_the_decode_graphs_keeps_the_tokens(
-    checkpoint_factory: Callable[..., Path], quant: str | None
-) -> None:
-    """o_proj's weights prefetched into L2 on a side stream inside the decode graphs (of
-    up to 8 rows here, of 16 captured) is a hint: the same tokens as without it, dense
-    and FP8 (weights stored transposed, with their scales)."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the bulk prefetch needs sm_90")
-    path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
-    dtype = "float32" if quant is None else "bfloat16"
-    kw = dict(cuda_graph_max_batch=16, quantization=quant, **STRESS)
-    plain = _tokens(path, "triton", dtype, **kw)
-    prefetched, llm = _run(path, "triton", dtype, l2_prefetch_max_batch=8, **kw)
-    prefetch = llm.engine.worker.graphs.prefetch
-    assert prefetch is not None and llm.engine.worker.graphs.prefetch_max_batch == 8
-    layers = llm.engine.worker.model.model.layers
-    assert len(prefetch.tensors) == len(layers) and all(prefetch.tensors.values())
-    assert prefetched == plain
-
-
 def test_torch_compile_with_cuda_graphs_matches_eager(
     checkpoint_factory: Callable[..., Path],
 ) -> None:
