@@ -645,6 +645,21 @@ plan_r29() {
   bench prefetch-int4 200 prefetch-int4
 }
 
+# r30 (one H100, issue 23; NOTES e41): the symmetric GEMV through the zero-point variant (a
+# shared row of 8s): the W4A16 kernel tests natively (the GEMV's and the 8B shapes'), the
+# int4 engine tests, the sweep, GPTQ and AWQ int4 C, GPTQ's decode step kernel by kernel.
+plan_r30() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-w4a16 150 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
+    -k "8b or graph or gemv or symmetric or default"
+  step tests-int4 150 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  wait
+  step kernels-w4a16 120 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
+  bench int4 150 int4
+  bench decode-kernels-int4 100 decode-kernels-int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

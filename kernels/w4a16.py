@@ -50,10 +50,6 @@ ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
 TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
 GEMV_PROGRAMS_PER_SM = 3  # the GEMV takes 256 rows of K a program if that leaves this many
 GEMV_BLOCK_KS = (128, 64)  # the GEMV's K tile: the first that the groups allow
-# Without zero points (GPTQ's symmetric 8) the GEMV is slower in 128-row tiles than in 64
-# (r27's sweep on an H100: 129.0 against 108.6 us an 8B layer; with zero points 103.7 in
-# 128-row tiles), for reasons its SASS does not show (same instructions and registers).
-GEMV_BLOCK_KS_SYMMETRIC = (64,)
 MAX_SPLIT_K = 16
 MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
 
@@ -178,8 +174,7 @@ def w4a16_config(
     2 warps, K split so that each program takes 256 rows of K where that still leaves
     ``GEMV_PROGRAMS_PER_SM`` programs an SM, else 128 (leases r22-r24's sweeps at the 8B
     shapes, NOTES e33 and e37: in 128-row tiles where the groups allow, 5-10% faster
-    than in 64-row ones with zero points, ~20% slower without: NOTES e39 and e40). Other
-    decode-sized
+    than in 64-row ones). Other decode-sized
     batches (``m <= 64``) take 16/32/64-row tiles, split until there are about
     ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K tile); larger
     batches take 128 x 128 tiles, split only while the output tiles alone leave SMs idle.
@@ -212,16 +207,10 @@ def w4a16_config(
     return cfg
 
 
-def gemv_block_k(
-    group_size: int, groups: int, has_g_idx: bool, has_zeros: bool = True
-) -> int | None:
-    """The GEMV's K tile for these groups: the first of ``GEMV_BLOCK_KS`` (without zero
-    points ``GEMV_BLOCK_KS_SYMMETRIC``) whose every tile lies in one group (32 under the
-    interpreter); None where none does."""
-    if is_interpreter():
-        sizes: tuple[int, ...] = (32,)
-    else:
-        sizes = GEMV_BLOCK_KS if has_zeros else GEMV_BLOCK_KS_SYMMETRIC
+def gemv_block_k(group_size: int, groups: int, has_g_idx: bool) -> int | None:
+    """The GEMV's K tile for these groups: the first of ``GEMV_BLOCK_KS`` whose every
+    tile lies in one group (32 under the interpreter); None where none does."""
+    sizes = (32,) if is_interpreter() else GEMV_BLOCK_KS
     return next((b for b in sizes if gemv_fits(group_size, groups, b, has_g_idx)), None)
 
 
@@ -486,7 +475,6 @@ def _w4a16_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    HAS_ZP: tl.constexpr,
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
@@ -501,6 +489,8 @@ def _w4a16_gemv_kernel(
     tile into ``[BLOCK_K, BLOCK_N]`` codes for a reduction across threads, on an H100:
     gate_up 19% faster, the other 8B layers within 4% either way, int4 C 3.98 -> 3.66 ms
     (NOTES e33). ``EVEN`` (K and N whole tiles: the caller's): no masks in the loop.
+    Zero points are always read (symmetric weights: from a row of 8s with a group stride
+    of 0, see ``_symmetric_zero_row``).
     Tried and not kept: nibbles made floats from their bits with 2**23 instead of an
     int-to-float conversion, on the earlier GEMV (NOTES e18) and on this one with FFMA
     partial sums (e37: 2-9% slower at the median config, the best within 5%);
@@ -522,7 +512,7 @@ def _w4a16_gemv_kernel(
         else:
             words = tl.load(w_ptrs, mask=p_mask[:, None] & n_mask[None, :], other=0)
         s, zs = _group_scale(
-            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, HAS_ZP
+            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, True
         )
         a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
         dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -576,6 +566,28 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return locks
 
 
+_SYMMETRIC_ZEROS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _symmetric_zero_row(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` uint8 zero points of 8, shared by every symmetric GEMV on the
+    device, which reads them with a group stride of 0 (one row for every group): the
+    GEMV's zero-point variant runs ~20% faster than its symmetric one in 128-row tiles
+    (r27's sweep on an H100: 103.7 against 129.0 us an 8B layer; the same instructions
+    and registers in their SASS, so the cause is not visible there), for a 256-byte
+    load a program. Rows are never freed (CUDA graphs keep their addresses); a new one
+    is made outside any capture (the first call of a shape runs eagerly)."""
+    rows = _SYMMETRIC_ZEROS.setdefault(device, [])
+    for row in rows:
+        if row.numel() >= n:
+            return row
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("w4a16: first call of this width inside a CUDA-graph capture")
+    row = torch.full((max(n, 1 << 16),), SYMMETRIC_ZERO, dtype=torch.uint8, device=device)
+    rows.append(row)
+    return row
+
+
 def gemv_fits(group_size: int, groups: int, block_k: int, has_g_idx: bool) -> bool:
     """Whether the GEMV kernel can run: every K tile of ``block_k`` rows in one group."""
     return _group_mode(group_size, groups, block_k, has_g_idx)[0] == TILE
@@ -603,7 +615,7 @@ def w4a16_gemm(
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
     if config is None:
-        block_k = gemv_block_k(group_size, scales.shape[0], g_idx is not None, zeros is not None)
+        block_k = gemv_block_k(group_size, scales.shape[0], g_idx is not None)
         config = w4a16_config(m, n, k, x.device, gemv_block_k=block_k)
     cfg: dict[str, Any] = dict(config)
     block_k = cfg["BLOCK_K"]
@@ -626,11 +638,15 @@ def w4a16_gemm(
     locks = _tile_counters(x.device) if fixup else dummy
     if gemv:
         del cfg["BLOCK_M"]
+        if zeros is None:  # symmetric: 8s from a shared row (see _symmetric_zero_row)
+            z_arg, stride_zg = _symmetric_zero_row(x.device, n), 0
+        else:
+            z_arg, stride_zg = zeros, zeros.stride(0)
         _w4a16_gemv_kernel[grid](
             x2,
             qweight,
             scales,
-            zeros if zeros is not None else dummy,
+            z_arg,
             perm if perm is not None else dummy,
             out,
             partial,
@@ -640,10 +656,9 @@ def w4a16_gemm(
             per_split,
             qweight.stride(0),
             scales.stride(0),
-            zeros.stride(0) if zeros is not None else 0,
+            stride_zg,
             n,
             GROUP_SIZE=gs,
-            HAS_ZP=zeros is not None,
             HAS_PERM=perm is not None,
             SPLIT=split,
             FIXUP=fixup,

@@ -245,8 +245,7 @@ def test_gemv_takes_256_rows_of_k_a_program_where_that_still_fills_the_sms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a 132-SM H100 (leases r22-r24's sweeps): 128 rows of K a program for qkv and o,
-    256 for gate_up and down, in 128-row tiles where the groups allow (64 otherwise, and
-    without zero points)."""
+    256 for gate_up and down, in 128-row tiles where the groups allow (64 otherwise)."""
     monkeypatch.setattr(w4a16, "is_interpreter", lambda: False)
     monkeypatch.setattr(w4a16, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
@@ -262,9 +261,16 @@ def test_gemv_takes_256_rows_of_k_a_program_where_that_still_fills_the_sms(
     assert w4a16.gemv_block_k(64, 64, False) == 64
     assert w4a16.gemv_block_k(32, 128, False) is None  # two groups in every 64-row tile
     assert w4a16.gemv_block_k(w4a16.ONE_GROUP, 1, False) == 128
-    # without zero points, 64-row tiles (r27: faster there than in 128-row ones)
-    assert w4a16.gemv_block_k(128, 32, False, has_zeros=False) == 64
-    assert w4a16.gemv_block_k(32, 128, False, has_zeros=False) is None
+
+
+def test_symmetric_gemvs_share_rows_of_eights_that_are_never_freed() -> None:
+    dev = torch.device("cpu")
+    row = w4a16._symmetric_zero_row(dev, 100)
+    assert row.dtype == torch.uint8 and row.numel() >= 100 and bool((row == 8).all())
+    assert w4a16._symmetric_zero_row(dev, 50) is row  # one row serves every narrower product
+    wider = w4a16._symmetric_zero_row(dev, row.numel() + 1)
+    assert wider is not row and wider.numel() > row.numel()
+    assert any(r is row for r in w4a16._SYMMETRIC_ZEROS[dev])  # kept: graphs hold its address
 
 
 # ---- GPU: the 8B model's shapes, CUDA graphs ------------------------------------------
