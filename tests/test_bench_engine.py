@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "engine_bench", Path(__file__).resolve().parents[1] / "bench" / "engine_bench.py"
-)
-assert _spec and _spec.loader
-eb = importlib.util.module_from_spec(_spec)
-sys.modules["engine_bench"] = eb  # dataclasses look their module up here
-_spec.loader.exec_module(eb)
+from tests.bench_scripts import load_bench
+
+eb = load_bench("engine_bench")
 
 
 def test_llama_8b_parameter_count_matches_published_size() -> None:
@@ -329,12 +323,7 @@ def test_profile_step_records_the_graph_each_launch_replays() -> None:
 
     from kvscale.server.worker.graph_dispatch import GraphDispatcher
 
-    spec = importlib.util.spec_from_file_location(
-        "profile_step", Path(__file__).resolve().parents[1] / "bench" / "profile_step.py"
-    )
-    assert spec and spec.loader
-    ps = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ps)
+    ps = load_bench("profile_step")
 
     class Worker:
         dispatcher = GraphDispatcher(decode_sizes=(1, 2, 4), token_sizes=(8, 16))

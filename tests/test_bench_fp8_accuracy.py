@@ -3,19 +3,13 @@ checkpoint (the GPU run uses the 8B-shaped one)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 
-_spec = importlib.util.spec_from_file_location(
-    "fp8_accuracy", Path(__file__).resolve().parents[1] / "bench" / "fp8_accuracy.py"
-)
-assert _spec and _spec.loader
-fa = importlib.util.module_from_spec(_spec)
-sys.modules["fp8_accuracy"] = fa
-_spec.loader.exec_module(fa)
+from tests.bench_scripts import load_bench
+
+fa = load_bench("fp8_accuracy")
 
 
 def test_kl_and_top1_on_known_distributions() -> None:

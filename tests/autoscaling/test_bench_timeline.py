@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -12,18 +10,12 @@ import pytest
 
 from tests.autoscaling.scenario import ScenarioParams
 from tests.autoscaling.timeline import summarize
-
-BENCH_PATH = Path(__file__).resolve().parents[2] / "bench" / "autoscale_timeline.py"
+from tests.bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvscale_bench_autoscale", BENCH_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("autoscale_timeline")
 
 
 def _timeline() -> dict[str, Any]:

@@ -8,16 +8,11 @@ Deployment quickly. The 25-200-object numbers are in the README.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-_path = Path(__file__).resolve().parents[2] / "bench" / "operator_scale.py"
-_spec = importlib.util.spec_from_file_location("operator_scale", _path)
-assert _spec is not None and _spec.loader is not None
-scale = importlib.util.module_from_spec(_spec)
-sys.modules["operator_scale"] = scale
-_spec.loader.exec_module(scale)
+from tests.bench_scripts import load_bench
+
+scale = load_bench("operator_scale")
 
 
 def test_pod_events_cost_no_request_and_applies_are_fast(tmp_path: Path) -> None:

@@ -1,0 +1,158 @@
+"""bf16 GEMMs at a few rows, as a decode step runs them: which call shape cuBLAS serves best.
+
+C's decode step (batch 1) spends 5.5 ms in the layers' GEMMs, which move their weights at
+2.4-2.9 TB/s: qkv_proj and o_proj (50 and 34 MB) at ~2.4, o_proj and down_proj with a
+split-K reduction kernel after them (NOTES e15, e40). cuBLAS picks its kernel from the
+call's shape, so the same product asked for differently may get another one. Per 8B
+layer and row count, each variant's time per call from CUDA-graph replays that cycle
+through enough copies of the weight (over 4x the L2) that every call reads it from
+memory, as in a step; the kernels each call launches (torch.profiler); and the bytes'
+rate against the copy bandwidth measured here:
+
+- ``linear``: ``F.linear(x, w)``, the dense linear method's call (``x @ w.T``);
+- ``mv``: ``torch.mv(w, x[0])`` (one row);
+- ``w_x``: ``(w @ x.T).T``, the transposed product (cuBLAS sees N rows and M columns).
+
+    python bench/gemm_rows.py [--out-dir DIR] [--rows 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 128256
+LAYERS = (  # (name, N, K) of the 8B model's GEMMs: y[M, N] = x[M, K] @ w[N, K].T
+    ("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    ("o", HIDDEN, HEADS * HEAD_DIM),
+    ("gate_up", 2 * INTERMEDIATE, HIDDEN),
+    ("down", HIDDEN, INTERMEDIATE),
+    ("head", VOCAB, HIDDEN),
+)
+L2_MULTIPLE = 4  # the copies a graph cycles through hold this many times the L2
+REPLAYS = 30
+
+Variant = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+VARIANTS: dict[str, Variant] = {
+    "linear": lambda x, w: F.linear(x, w),
+    "mv": lambda x, w: torch.mv(w, x[0]).unsqueeze(0),
+    "w_x": lambda x, w: (w @ x.t()).t(),
+}
+
+
+def applies(variant: str, rows: int) -> bool:
+    return variant != "mv" or rows == 1
+
+
+def copies_for(nbytes: int, l2_bytes: int) -> int:
+    """Weight copies a graph cycles through so that none is still in L2 when read again."""
+    return max(2, -(-L2_MULTIPLE * l2_bytes // nbytes))
+
+
+def time_variant(fn: Variant, x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, float]:
+    """Median us per call over ``REPLAYS`` replays of a graph calling ``fn`` once per copy."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:
+            fn(x, w)  # warm-up outside the capture (cuBLAS handles, workspaces)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / len(weights))
+    return {"us": statistics.median(times), "min_us": min(times)}
+
+
+def kernels_of(fn: Variant, x: torch.Tensor, w: torch.Tensor) -> list[str]:
+    """The CUDA kernels one eager call launches, by name (cut to 80 characters)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x, w)
+        torch.cuda.synchronize()
+    return [e.name[:80] for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def copy_gb_per_s() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=Path("."))
+    ap.add_argument("--rows", default="1,4")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(0)
+    copy = copy_gb_per_s()
+    meta = {
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "copy_gb_per_s": copy,
+        "l2_bytes": props.L2_cache_size,
+    }
+    print(json.dumps(meta), flush=True)
+    rows_out = []
+    for name, n, k in LAYERS:
+        nbytes = n * k * 2
+        weights = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            for _ in range(copies_for(nbytes, props.L2_cache_size))
+        ]
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ weights[0].float().t()
+            for variant, fn in VARIANTS.items():
+                if not applies(variant, m):
+                    continue
+                err = ((fn(x, weights[0]).float() - ref).norm() / ref.norm()).item()
+                t = time_variant(fn, x, weights)
+                row = {"layer": name, "m": m, "variant": variant, **t, "rel_error": err,
+                       "gb_per_s": nbytes / (t["us"] / 1e6) / 1e9,
+                       "kernels": kernels_of(fn, x, weights[0])}  # fmt: skip
+                row["fraction_of_copy"] = row["gb_per_s"] / copy
+                rows_out.append(row)
+                print(
+                    f"{name:8s} M={m:<3d} {variant:7s} {t['us']:8.1f} us "
+                    f"{row['gb_per_s']:7.0f} GB/s ({row['fraction_of_copy']:.0%} of copy) "
+                    f"err {err:.1e}  {' + '.join(row['kernels'])}",
+                    flush=True,
+                )
+        del weights
+        torch.cuda.empty_cache()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "gemm_rows.json").write_text(json.dumps({"meta": meta, "rows": rows_out}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
