@@ -660,6 +660,19 @@ plan_r30() {
   bench decode-kernels-int4 100 decode-kernels-int4
 }
 
+# r32 (one H100, issue 23; NOTES e43): the packed W4A16 GEMV: its tests natively (and the
+# GEMV's others), the sweep with its rows, int4 C as it stands (the packed GEMV is not the
+# default until the sweep says so).
+plan_r32() {
+  facts
+  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  step tests-w4a16 200 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
+    -k "packed or 8b or gemv or graph"
+  wait
+  step kernels-w4a16 200 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
+  bench int4 150 int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
