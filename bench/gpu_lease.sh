@@ -661,8 +661,8 @@ plan_r30() {
 }
 
 # r32 (one H100, issue 23; NOTES e43): the packed W4A16 GEMV: its tests natively (and the
-# GEMV's others), the sweep with its rows, int4 C as it stands (the packed GEMV is not the
-# default until the sweep says so).
+# GEMV's others), the sweep with its rows, int4 C as it stands. Ran in part by hand as r33
+# (tests and sweep, at 2896cdc); the packed GEMV was removed after it (NOTES e43 measured).
 plan_r32() {
   facts
   step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &

@@ -74,7 +74,6 @@ W4A16_SWEEP = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 
 W4A16_GEMV_SWEEP = ((128, 128, 1, 1), (128, 64, 1, 1), (256, 128, 2, 1), (256, 64, 2, 1),
                     (256, 32, 2, 1), (512, 64, 4, 1), (512, 128, 4, 1))  # fmt: skip
 W4A16_GEMV_TILES = (1, 2, 4)
-W4A16_PACKED_SWEEP = ((128, 1), (256, 2), (512, 4))  # the packed GEMV's (BLOCK_N, warps)
 
 COPY = "copy"
 MATMUL = "matmul"
@@ -657,16 +656,6 @@ class Bench:
             for block_k in (128, 64):
                 cfg = w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=block_k)
                 configs.append((cfg, 0, True))
-            # the packed GEMV (bf16 pairs, NOTES e43): the heuristic's tiles with and
-            # without zero points, then its tiles, warps and K tiles a program
-            if x.dtype == torch.bfloat16:
-                configs += [(dict(base, PACKED=1), 0, False), (dict(base, PACKED=1), 0, True)]
-                for bn, warps in W4A16_PACKED_SWEEP:
-                    for tiles in W4A16_GEMV_TILES:
-                        split = max(1, -(-k // (128 * tiles)))
-                        cfg = dict(GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=split,
-                                   num_warps=warps, num_stages=1, PACKED=1)  # fmt: skip
-                        configs.append((cfg, tiles, False))
         else:
             splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
             for bn, bk, warps, stages in W4A16_SWEEP:
@@ -697,7 +686,6 @@ class Bench:
                     "config": cfg,
                     "heuristic": i == 0,
                     "zeros": not symmetric,
-                    "packed": bool(cfg.get("PACKED")),
                     "tiles": tiles,
                     "rel_error": err,
                     "us": ms * 1e3,

@@ -454,74 +454,6 @@ def _split_k_sum_kernel(p_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# One word (eight 4-bit codes: rows 8r..8r+7 of a column) times its eight bf16
-# activations, read as four int32 pairs ($2..$5: rows 8r+2i, 8r+2i+1), less the zero
-# point ($6: the bf16x2 bias (-(128 + z), -(16 + z)) of the word's column and group).
-# For byte i: PRMT takes it from the word into the low half and from the word shifted
-# right by one into the high half, LOP3 keeps code 2i at bits 0-3 of the low half and
-# code 2i+1 at bits 3-6 of the high half under bf16's exponent of 128 (a bf16 half has 7
-# mantissa bits: 128 + c and 128 + 8 c' are exact), one FMA by (1, 1/8) plus the bias
-# makes (c - z, c' - z) exactly, one more multiplies them by the activations into the
-# bf16 pair sums, and the two halves are added in fp32: ~20 instructions for 8
-# weights, against ~7 a weight unpacked one nibble at a time in fp32 (NOTES e37, e43).
-_PACKED_DOT_ASM = tl.constexpr("""{
-.reg .b32 m, b, sc, zero, w1, t, acc, lo, hi;
-mov.b32 m, 0x0078000F;
-mov.b32 b, 0x43004300;
-mov.b32 sc, 0x3E003F80;
-mov.b32 zero, 0;
-shr.u32 w1, $1, 1;
-prmt.b32 t, $1, w1, 0x4400;
-lop3.b32 t, t, m, b, 0xea;
-fma.rn.bf16x2 t, t, sc, $6;
-fma.rn.bf16x2 acc, t, $2, zero;
-prmt.b32 t, $1, w1, 0x5511;
-lop3.b32 t, t, m, b, 0xea;
-fma.rn.bf16x2 t, t, sc, $6;
-fma.rn.bf16x2 acc, t, $3, acc;
-prmt.b32 t, $1, w1, 0x6622;
-lop3.b32 t, t, m, b, 0xea;
-fma.rn.bf16x2 t, t, sc, $6;
-fma.rn.bf16x2 acc, t, $4, acc;
-prmt.b32 t, $1, w1, 0x7733;
-lop3.b32 t, t, m, b, 0xea;
-fma.rn.bf16x2 t, t, sc, $6;
-fma.rn.bf16x2 acc, t, $5, acc;
-shl.b32 lo, acc, 16;
-and.b32 hi, acc, 0xFFFF0000;
-add.f32 $0, lo, hi;
-}""")
-
-
-@triton.jit
-def _bf16_bits(x):
-    """fp32 ``x`` rounded to bf16, as the low 16 bits of an int32."""
-    return x.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _packed_tile_dot(words, a_ptr, z_ptr, offs_p, g, offs_n, n_mask, stride_zg):
-    """``sum_k (c - z) x`` per column of one whole K tile (fp32 ``[BLOCK_N]``) from its
-    ``[BLOCK_K / 8, BLOCK_N]`` words, bf16 activations at ``a_ptr`` (4-byte aligned),
-    zero points of group ``g`` (see ``_PACKED_DOT_ASM``)."""
-    pairs = a_ptr.to(tl.pointer_type(tl.int32))  # two bf16 activations an int32
-    x0 = tl.load(pairs + offs_p * 4)
-    x1 = tl.load(pairs + offs_p * 4 + 1)
-    x2 = tl.load(pairs + offs_p * 4 + 2)
-    x3 = tl.load(pairs + offs_p * 4 + 3)
-    z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=8).to(tl.float32)
-    bias = _bf16_bits(-(128.0 + z)) | (_bf16_bits(-(16.0 + z)) << 16)
-    part = tl.inline_asm_elementwise(
-        _PACKED_DOT_ASM,
-        "=r,r,r,r,r,r,r",
-        [words, x0[:, None], x1[:, None], x2[:, None], x3[:, None], bias[None, :]],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=1,
-    )
-    return tl.sum(part, axis=0)
-
-
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["stride_cs"])
 def _w4a16_gemv_kernel(
@@ -547,7 +479,6 @@ def _w4a16_gemv_kernel(
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
     EVEN: tl.constexpr = 0,
-    PACKED: tl.constexpr = 0,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
     tile adds ``s sum_k c x + z' sum_k x`` per column. The ``[BLOCK_K / 8, BLOCK_N]`` tile
@@ -585,28 +516,23 @@ def _w4a16_gemv_kernel(
         )
         a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
         dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if PACKED:  # bf16, whole tiles, no act order: eight products a word in bf16 pairs
-            dot = _packed_tile_dot(
-                words, a_ptr, z_ptr, offs_p, k0 // GROUP_SIZE, offs_n, n_mask, stride_zg
-            )  # the zero points are in dot, a_sum stays 0
-        else:
-            for j in tl.static_range(8):
-                k = offs_p * 8 + j
-                k_mask = k < k_end  # a last word may hold fewer than 8 rows
-                if HAS_PERM:
-                    if EVEN:
-                        cols = tl.load(perm_ptr + k)
-                    else:
-                        cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
-                else:
-                    cols = k
+        for j in tl.static_range(8):
+            k = offs_p * 8 + j
+            k_mask = k < k_end  # a last word may hold fewer than 8 rows
+            if HAS_PERM:
                 if EVEN:
-                    a = tl.load(a_ptr + cols).to(tl.float32)
+                    cols = tl.load(perm_ptr + k)
                 else:
-                    a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-                codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
-                dot += tl.sum(codes * a[:, None], axis=0)
-                a_sum += a
+                    cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
+            else:
+                cols = k
+            if EVEN:
+                a = tl.load(a_ptr + cols).to(tl.float32)
+            else:
+                a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+            codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
+            dot += tl.sum(codes * a[:, None], axis=0)
+            a_sum += a
         acc += s * dot + zs * tl.sum(a_sum, axis=0)
     _store_out(
         acc,
@@ -700,16 +626,6 @@ def w4a16_gemm(
     gemv = bool(cfg.pop("GEMV", 0))
     if gemv and (m != 1 or mode != TILE):
         raise ValueError(f"GEMV needs one row and whole groups per K tile (M={m}, {cfg})")
-    packed = bool(cfg.pop("PACKED", 0))
-    even = k % block_k == 0 and n % cfg["BLOCK_N"] == 0
-    if packed and not (
-        gemv and even and perm is None and x.dtype == torch.bfloat16 and not is_interpreter()
-    ):
-        raise ValueError(
-            f"PACKED needs the GEMV on whole tiles, no act order, bf16 activations and a "
-            f"GPU (GEMV={int(gemv)}, K={k}, N={n}, {cfg}, act order={perm is not None}, "
-            f"{x.dtype}, interpreter={is_interpreter()})"
-        )
     split = splits > 1
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if split else out
     grid = (
@@ -746,8 +662,7 @@ def w4a16_gemm(
             HAS_PERM=perm is not None,
             SPLIT=split,
             FIXUP=fixup,
-            EVEN=even,
-            PACKED=packed,
+            EVEN=k % block_k == 0 and n % cfg["BLOCK_N"] == 0,
             **cfg,
         )
     else:

@@ -285,25 +285,6 @@ def test_w4a16_8b_shapes_gpu(dtype: torch.dtype, m: int, k: int, n: int) -> None
 
 
 @gpu_only
-@pytest.mark.parametrize("asym", [False, True])
-@pytest.mark.parametrize("k,n", SHAPES_8B)
-def test_w4a16_packed_gemv_8b_shapes_gpu(k: int, n: int, asym: bool) -> None:
-    """The packed GEMV (codes and bf16 activations in pairs, ``PACKED``) against the
-    fp32 product of the dequantized weights, with and without zero points."""
-    cfg = dict(w4a16_config(1, n, k, torch.device("cuda")), PACKED=1)
-    _run(1, k, n, 128, torch.bfloat16, torch.device("cuda"), config=cfg, asym=asym)
-
-
-def test_w4a16_packed_gemv_is_refused_where_it_cannot_run(device: torch.device) -> None:
-    w = _weights(256, 256, 128, device)
-    w.pop("codes")
-    x = torch.randn(1, 256, dtype=torch.float16, device=device)
-    cfg = dict(GEMV=1, BLOCK_M=1, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=1, PACKED=1)
-    with pytest.raises(ValueError, match="PACKED needs the GEMV on whole tiles"):
-        w4a16_gemm(x, **w, config=cfg)  # type: ignore[arg-type]  # fp16 (and, here, no GPU)
-
-
-@gpu_only
 def test_w4a16_act_order_8b_gpu() -> None:
     _run(16, 4096, 4096, 128, torch.bfloat16, torch.device("cuda"), act_order=True)
 
