@@ -28,9 +28,13 @@ facts() {  # the machine: GPU and CPU
 # pytest as the plans run it: pytest-timeout gives each hung test its stack
 PT=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
 
+ckpt_write() {  # ckpt_write [SECONDS]: the 8B-shaped checkpoint (a step; plans run it with &)
+  step ckpt "${1:-150}" python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+}
+
 ckpt_beside() {  # ckpt_beside NAME SECONDS COMMAND...: a step while GPU 0 writes the checkpoint
   (export CUDA_VISIBLE_DEVICES=0
-   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt) &
+   ckpt_write 300) &
   step "$@"
   wait
 }
@@ -75,7 +79,7 @@ plan_x2() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
   (export CUDA_VISIBLE_DEVICES=0
-   step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+   ckpt_write 300
    step tests-kernels 600 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels) &
   (export CUDA_VISIBLE_DEVICES=1
    step tests-gpu 600 "${pt[@]}" tests/gpu --ignore=tests/gpu/test_tensor_parallel_cuda.py) &
@@ -106,7 +110,7 @@ plan_tp() {
 plan_single() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write 300
   step tests-gpu 360 "${pt[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
     tests/gpu/test_engine_cuda.py tests/gpu/test_structured_cuda.py
   bench base 300 ceilings,ours
@@ -123,7 +127,7 @@ plan_single() {
 # (both failed in the first for bench bugs), and the GPU tests fixed after it.
 plan_spec() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
-  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write 300
   step tests-gpu 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150 \
     tests/gpu/test_spec_cuda.py "tests/gpu/test_engine_cuda.py::test_fp8_engine_with_cuda_graphs_matches_eager" \
     "tests/gpu/test_engine_cuda.py::test_fp8_kv_cache_with_cuda_graphs_matches_eager"
@@ -135,7 +139,7 @@ plan_spec() {
 # Issue 23, third single-GPU lease: the FP8 graph tests by logprobs, and verify steps as
 # piecewise graphs.
 plan_pw() {
-  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write 300
   step tests-fp8 200 python3 -m pytest -q -s -p no:cacheprovider --tb=short --timeout=150 \
     "tests/gpu/test_engine_cuda.py::test_fp8_engine_with_cuda_graphs_matches_eager" \
     "tests/gpu/test_engine_cuda.py::test_fp8_kv_cache_with_cuda_graphs_matches_eager"
@@ -143,7 +147,7 @@ plan_pw() {
 }
 
 plan_pw2() {
-  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write 300
   bench spec-piecewise 360 spec-piecewise
 }
 
@@ -154,7 +158,7 @@ plan_pw2() {
 plan_r3() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write 300 &
   (step tests-kernels 240 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_fp8_gemm.py \
      tests/kernels/test_w4a16.py
    step tests-gpu 420 "${pt[@]}" -s tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
@@ -180,7 +184,7 @@ plan_r3() {
 plan_r4() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 120 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write 120 &
   (step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_fp8_gemm.py \
      tests/kernels/test_w4a16.py -k "quantize_groups or gemv or 8b_shapes or graph"
    step tests-gpu 170 "${pt[@]}" -s tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py) &
@@ -198,7 +202,7 @@ plan_r4() {
 plan_next() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 120 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write 120 &
   step tests-gpu 200 "${pt[@]}" tests/gpu/test_piecewise_cuda.py tests/gpu/test_int4_cuda.py &
   wait
   bench int4 150 int4
@@ -216,7 +220,7 @@ plan_next() {
 plan_r5() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   (step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_w4a16.py \
      tests/kernels/test_fp8_gemm.py
    step tests-gpu 330 "${pt[@]}" -s tests/gpu/test_piecewise_cuda.py tests/gpu/test_int4_cuda.py \
@@ -239,7 +243,7 @@ plan_r5() {
 plan_r7() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   (step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_ngram_match.py
    step tests-gpu 300 "${pt[@]}" -s tests/gpu/test_spec_cuda.py) &
   wait
@@ -253,7 +257,7 @@ plan_r7() {
 plan_r9() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   (step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_ngram_match.py
    step tests-gpu 300 "${pt[@]}" -s tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py) &
   wait
@@ -263,7 +267,7 @@ plan_r9() {
 
 # lease r9b: only the spec-step profile (r9's ran out of memory after its first engine)
 plan_r9b() {
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write
   step profile-spec 300 python3 bench/profile_spec.py --ckpt "$CKPT"
 }
 
@@ -274,7 +278,7 @@ plan_r9b() {
 plan_r10() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   (step tests-kernels 200 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_w4a16.py
    step kernels-w4a16 200 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep) &
   wait
@@ -295,7 +299,7 @@ plan_r10b() {
 }
 
 plan_r10c() {
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write
   bench int4 200 int4
   bench decode-kernels-int4 120 decode-kernels-int4
 }
@@ -305,14 +309,14 @@ plan_r10c() {
 # sequence's hash list on every step.
 plan_r11() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write
   bench prefix-noise 240 prefix-noise
   bench prefix-interleaved 240 prefix-interleaved
 }
 
 # r11b: the per-engine comparison with the engines in the other order (caching on first)
 plan_r11b() {
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write
   bench prefix-noise-reversed 240 prefix-noise-reversed
 }
 
@@ -348,7 +352,7 @@ plan_r12b() {
 plan_r13() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
   local pt=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --timeout=150)
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-kernels 150 env KVSCALE_KERNEL_TESTS=1 "${pt[@]}" tests/kernels/test_rope_kv_cache.py \
     tests/kernels/test_argmax.py tests/kernels/test_elementwise.py tests/kernels/test_kv_cache.py tests/kernels/test_fp8_kv.py
   step tests-gpu 360 "${pt[@]}" -s tests/gpu/test_engine_cuda.py tests/gpu/test_draft_cuda.py \
@@ -360,7 +364,7 @@ plan_r13() {
 }
 
 plan_r13b() {
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step profile-draft 120 python3 bench/profile_draft_runner.py --device cuda
   wait
   step profile-spec 200 python3 bench/profile_spec.py --ckpt "$CKPT" --configs none,draft
@@ -374,7 +378,7 @@ plan_r13b() {
 # installed editable in turn.
 plan_r14() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write
   local tree
   for tree in . ab-old ab-mid .; do
     local name=ours-${tree#ab-}; [ "$tree" = . ] && name=ours-head
@@ -390,7 +394,7 @@ plan_r14() {
 # (section 5), eager and piecewise.
 plan_r15() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write
   step profile-mixed 400 python3 bench/profile_step.py --ckpt "$CKPT" --sections 45 \
     --modes full_decode_only,full_and_piecewise
 }
@@ -402,7 +406,7 @@ plan_r15() {
 # ckpt_and_prefill_tests LIMIT PER_TEST: the prefill and FP8-KV kernel tests natively
 # while the checkpoint is written
 ckpt_and_prefill_tests() {
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-kernels "$1" env KVSCALE_KERNEL_TESTS=1 python3 -m pytest -q -p no:cacheprovider -rs \
     --tb=short --timeout="$2" tests/kernels/test_paged_prefill.py tests/kernels/test_fp8_kv.py
   wait
@@ -476,7 +480,7 @@ plan_r20() {
 # times, D at c=64 and 256 twice: spread, not one run), after the engine's GPU tests.
 plan_r21() {
   facts
-  step ckpt 300 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt
+  ckpt_write 300
   step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py
   local i
   for i in 1 2 3; do
@@ -499,7 +503,7 @@ plan_r21() {
 # (c=64, 256: the API process's changes, NOTES e32) once.
 plan_r22() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   (step tests-w4a16 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py
    step kernels-w4a16 240 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep) &
   wait
@@ -524,7 +528,7 @@ plan_r22() {
 # B a second time today, and D (c=64, 256) with the default graphs and with piecewise ones.
 plan_r23() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-w4a16 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py
   wait
   step tests-int4 200 "${PT[@]}" tests/gpu/test_int4_cuda.py
@@ -545,7 +549,7 @@ plan_r23() {
 # penalty).
 plan_r24() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-fp8 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_fp8_kv.py \
     tests/kernels/test_paged_decode.py tests/kernels/test_w4a16.py
   wait
@@ -582,7 +586,7 @@ plan_r25() {
 # one lease), int4 C; then the int4 engine tests and the accuracy script.
 plan_r26() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-kernels 280 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_elementwise.py \
     tests/kernels/test_fp8_gemm.py tests/kernels/test_w4a16.py
   wait
@@ -602,7 +606,7 @@ plan_r26() {
 # step kernel by kernel; and the FP8 engine tests with the fused quantization's new one.
 plan_r27() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-fp8 240 "${PT[@]}" -s tests/gpu/test_engine_cuda.py -k fp8
   wait
   step kernels-w4a16 240 python3 bench/kernels.py --out-dir "$RES" --only w4a16 --w4a16-sweep
@@ -622,7 +626,7 @@ plan_r27() {
 # kernel with it on and off; then int4: GPTQ's GEMV in 64-row tiles, the prefetch with AWQ.
 plan_r28() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-prefetch 200 "${PT[@]}" tests/gpu/test_engine_cuda.py -k "prefetch or graphs_match"
   wait
   bench prefetch 300 prefetch
@@ -637,7 +641,7 @@ plan_r28() {
 # and engine tests natively (the symmetric GEMV's 64-row tiles).
 plan_r29() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-int4 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
     tests/gpu/test_int4_cuda.py
   wait
@@ -650,7 +654,7 @@ plan_r29() {
 # int4 engine tests, the sweep, GPTQ and AWQ int4 C, GPTQ's decode step kernel by kernel.
 plan_r30() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-w4a16 150 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
     -k "8b or graph or gemv or symmetric or default"
   step tests-int4 150 "${PT[@]}" tests/gpu/test_int4_cuda.py
@@ -665,7 +669,7 @@ plan_r30() {
 # (tests and sweep, at 2896cdc); the packed GEMV was removed after it (NOTES e43 measured).
 plan_r32() {
   facts
-  step ckpt 150 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ckpt &
+  ckpt_write &
   step tests-w4a16 200 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
     -k "packed or 8b or gemv or graph"
   wait

@@ -86,6 +86,12 @@ def _silu_and_mul_quant_kernel(
     )  # fmt: skip
 
 
+def silu_quant_fusable(inter: int, group: int) -> bool:
+    """Whether :func:`silu_and_mul_quant` takes quantization groups of ``group`` columns
+    of an output row of ``inter``: groups of at most ``ONE_PASS_MAX`` that tile it."""
+    return group <= ONE_PASS_MAX and inter % group == 0
+
+
 def silu_and_mul_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, 2*I]`` -> ``silu_and_mul(x)`` quantized to FP8 per ``group`` columns
     (at most ``ONE_PASS_MAX``; ``I`` a multiple of it) as (codes ``[T, I]``
@@ -95,7 +101,7 @@ def silu_and_mul_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     if x.dim() != 2 or x.shape[-1] % 2:
         raise ValueError(f"x must be [T, 2*I], got {tuple(x.shape)}")
     inter = x.shape[-1] // 2
-    if group > ONE_PASS_MAX or inter % group:
+    if not silu_quant_fusable(inter, group):
         raise ValueError(f"quantization groups of {group} do not tile rows of {inter}")
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvscale.kernels.fp8 import ONE_PASS_MAX
+from kvscale.kernels.activation import silu_quant_fusable
 from kvscale.server.layers import ops
 from kvscale.server.quantization.base import Fp8Activation
 
@@ -18,9 +18,9 @@ class SiluAndMul(nn.Module):
     ) -> torch.Tensor | Fp8Activation:
         """``fp8_group``: the next layer's ``fp8_input_group``; the output comes back
         quantized so (``Fp8Activation``) from the activation's own kernel where the
-        groups (of at most ``ONE_PASS_MAX``) tile ``I``."""
+        groups suit it (``silu_quant_fusable``)."""
         inter = x.shape[-1] // 2
-        if fp8_group is not None and fp8_group <= ONE_PASS_MAX and inter % fp8_group == 0:
+        if fp8_group is not None and silu_quant_fusable(inter, fp8_group):
             codes, scales = ops.silu_and_mul_quant(x.reshape(-1, 2 * inter), fp8_group)
             return Fp8Activation(codes.view(*x.shape[:-1], inter), scales, x.dtype)
         return ops.silu_and_mul(x)
