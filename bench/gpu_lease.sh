@@ -677,6 +677,23 @@ plan_r32() {
   bench int4 150 int4
 }
 
+# r34 (one H100, issue 23; NOTES e44): programmatic dependent launch: its GPU tests, C in
+# bf16 and with GPTQ int4 weights off/on twice, the kernels' native tests it touches, the
+# engine tests, the int4 decode step's kernels, A off/on.
+plan_r34() {
+  facts
+  ckpt_write &
+  step tests-pdl 200 "${PT[@]}" tests/gpu/test_pdl_cuda.py
+  wait
+  bench pdl 300 pdl
+  step tests-kernels 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_elementwise.py \
+    tests/kernels/test_rope_kv_cache.py tests/kernels/test_paged_decode.py \
+    tests/kernels/test_w4a16.py -k "not w4a16 or 8b or graph or gemv or symmetric or default"
+  step tests-engine 300 "${PT[@]}" tests/gpu/test_int4_cuda.py tests/gpu/test_engine_cuda.py
+  bench decode-kernels-int4 100 decode-kernels-int4
+  bench pdl-a 300 pdl-a
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
