@@ -544,21 +544,23 @@ def _w4a16_gemv_kernel(
     int-to-float conversion, on the earlier GEMV (NOTES e18) and on this one with FFMA
     partial sums (e37: 2-9% slower at the median config, the best within 5%);
     prefetching the next tile's words (e18).
-    ``PDL`` (see ``kernels/pdl.py``): the first tile's words and scales are requested
-    before waiting on the kernel that writes the activations."""
+    ``PDL`` (see ``kernels/pdl.py``): 1, the first tile's words and scales are requested
+    before waiting on the kernel that writes the activations; 2, the wait comes first."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PDL == 2:  # waits before touching memory at all (benchmarks compare)
+        pdl_enter(1)
     # the first tile's weights are requested before waiting on the kernel that writes
     # the activations (PDL): they are not its output
     words, s, zs = _gemv_weights(
         qw_ptr, s_ptr, z_ptr, k_start, k_end, offs_n, n_mask, stride_qk, stride_sg,
         stride_zg, BLOCK_K, GROUP_SIZE, EVEN,
     )  # fmt: skip
-    pdl_enter(PDL)
+    pdl_enter(PDL == 1)
     acc = _gemv_tile(a_ptr, perm_ptr, words, s, zs, k_start, k_end, BLOCK_K, HAS_PERM, EVEN)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         words, s, zs = _gemv_weights(
