@@ -125,10 +125,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
     "decode-kernels",
     "decode-kernels-int4",
     "decode-kernels-a",
-    "pdl",
-    "pdl-a",
 )
-PDL_REPEATS = 2  # off/on pairs of the pdl phases
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
 TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce")  # two GPUs; run by name only
@@ -1337,47 +1334,6 @@ def phase_int4(ckpt: Path, out_dir: Path) -> dict[str, Any]:
     return res
 
 
-def _with_pdl(on: bool) -> None:
-    """Kernels launched from now on use programmatic dependent launch (``on``) or not."""
-    from kvscale.kernels import pdl
-
-    os.environ["KVSCALE_PDL"] = "1" if on else "0"
-    pdl.reload_switch()
-
-
-def phase_pdl(ckpt: Path) -> dict[str, Any]:
-    """C in bf16 and with GPTQ int4 weights, programmatic dependent launch off then on,
-    ``PDL_REPEATS`` times (an engine per run, so each captures its graphs afresh)."""
-    models = {"bf16": ckpt, "gptq": int4_checkpoint(ckpt, "gptq")}
-    runs = []
-    for rep in range(PDL_REPEATS):
-        for on in (False, True):
-            _with_pdl(on)
-            for name, path in models.items():
-                llm = _llm(path, cuda_graph_max_batch=16)
-                runs.append({"rep": rep, "pdl": on, "model": name, "latency": _latency(llm)})
-                del llm
-                _free_gpu()
-    _with_pdl(True)
-    return {"runs": runs}
-
-
-def phase_pdl_a(ckpt: Path) -> dict[str, Any]:
-    """A (bf16) with programmatic dependent launch off then on, ``PDL_REPEATS`` times."""
-    n, i, o = A_SHAPE
-    runs = []
-    for rep in range(PDL_REPEATS):
-        for on in (False, True):
-            _with_pdl(on)
-            llm = _llm(ckpt)
-            runs.append({"rep": rep, "pdl": on, "A": _offline(llm, _prompts(n, i, 1), [o] * n)})
-            _close(llm)
-            del llm
-            _free_gpu()
-    _with_pdl(True)
-    return {"runs": runs}
-
-
 def phase_peer_latency(ckpt: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -1833,8 +1789,6 @@ def main(argv: list[str] | None = None) -> int:
             ckpt, out, [int(c) for c in args.piecewise_concurrency.split(",")]
         ),
         "int4": lambda: phase_int4(ckpt, out),
-        "pdl": lambda: phase_pdl(ckpt),
-        "pdl-a": lambda: phase_pdl_a(ckpt),
         "spec": lambda: spec_bench.phase_spec(ckpt, out, lambda **kw: _llm(ckpt, **kw), _close),
         "spec-piecewise": lambda: spec_bench.phase_spec_piecewise(
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close

@@ -677,6 +677,7 @@ plan_r32() {
   bench int4 150 int4
 }
 
+# r34 ran at 01deb3a: PDL, its tests and its phases were removed after r35 (NOTES e44 measured).
 # r34 (one H100, issue 23; NOTES e44): programmatic dependent launch: its GPU tests, C in
 # bf16 and with GPTQ int4 weights off/on twice, the kernels' native tests it touches, the
 # engine tests, the int4 decode step's kernels, A off/on.

@@ -13,7 +13,6 @@ import triton.language as tl
 
 from kvscale.kernels._utils import next_power_of_2
 from kvscale.kernels.fp8 import FP8_E4M3, ONE_PASS_MAX, quantize_groups_ref, quantize_store_groups
-from kvscale.kernels.pdl import pdl_enter, pdl_launch
 from kvscale.kernels.rmsnorm import row_launch_opts
 
 
@@ -33,9 +32,7 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (offs < inter) & (row < num_rows)
@@ -65,7 +62,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             BLOCK=block,
             num_warps=4,
-            **pdl_launch(x.device),
         )
     return out.view(*x.shape[:-1], inter)
 
@@ -74,9 +70,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit(do_not_specialize=["num_rows"])
 def _silu_and_mul_quant_kernel(
     x_ptr, q_ptr, s_ptr, num_rows, inter, group, stride_x, stride_q, stride_s,
-    BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * group + tl.arange(0, BLOCK)[None, :]
@@ -116,7 +111,7 @@ def silu_and_mul_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     if rows > 0:
         _silu_and_mul_quant_kernel[(rows, inter // group)](
             x, q, scale, rows, inter, group, x.stride(0), q.stride(0), scale.stride(0),
-            **row_launch_opts(group), **pdl_launch(x.device),
+            **row_launch_opts(group),
         )  # fmt: skip
     return q, scale
 

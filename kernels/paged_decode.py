@@ -41,7 +41,6 @@ from kvscale.kernels._utils import (
     num_sms,
 )
 from kvscale.kernels.fp8 import is_fp8
-from kvscale.kernels.pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
 
@@ -113,9 +112,7 @@ def _paged_decode_kernel(
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_F16: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -209,9 +206,7 @@ def _split_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -374,7 +369,6 @@ def paged_decode_attention(
         KV_F16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **pdl_launch(q.device),
     )
     if split:
         _split_reduce_kernel[(batch, num_heads)](
@@ -390,7 +384,6 @@ def paged_decode_attention(
             NUM_SPLITS=num_splits,
             SPLITS_PAD=max(2, next_power_of_2(num_splits)),
             num_warps=4,
-            **pdl_launch(q.device),
         )
     return out
 

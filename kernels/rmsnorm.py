@@ -14,7 +14,6 @@ import triton.language as tl
 
 from kvscale.kernels._utils import is_power_of_2, next_power_of_2
 from kvscale.kernels.fp8 import FP8_E4M3, quantize_groups_ref, quantize_store_groups
-from kvscale.kernels.pdl import pdl_enter, pdl_launch
 
 
 # Sizes that change every step are not specialized on, so no step recompiles.
@@ -29,9 +28,7 @@ def _rms_norm_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = (offs < hidden) & (row < num_rows)
@@ -68,9 +65,7 @@ def _fused_add_rms_norm_kernel(
     stride_x,
     stride_r,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = (offs < hidden) & (row < num_rows)
@@ -84,9 +79,8 @@ def _fused_add_rms_norm_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def _fused_add_rms_norm_quant_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, num_rows, hidden, eps, stride_x, stride_r, stride_q,
-    stride_s, NUM_GROUPS: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = 0,
+    stride_s, NUM_GROUPS: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
     # the row as [NUM_GROUPS, GROUP]: the norm sums over both, the scales over the second
     row = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, NUM_GROUPS)
@@ -140,7 +134,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             x2.stride(0),
             out.stride(0),
             **row_launch_opts(hidden),
-            **pdl_launch(x.device),
         )
     return out.view(x.shape)
 
@@ -167,7 +160,6 @@ def fused_add_rms_norm(
             x2.stride(0),
             r2.stride(0),
             **row_launch_opts(hidden),
-            **pdl_launch(x.device),
         )
 
 
@@ -199,7 +191,7 @@ def fused_add_rms_norm_quant(
         _fused_add_rms_norm_quant_kernel[(rows,)](
             x2, r2, weight, q, scale, rows, hidden, eps, x2.stride(0), r2.stride(0),
             q.stride(0), scale.stride(0), NUM_GROUPS=opts["BLOCK"] // width, GROUP=width,
-            num_warps=opts["num_warps"], **pdl_launch(x.device),
+            num_warps=opts["num_warps"],
         )  # fmt: skip
     return q, scale
 

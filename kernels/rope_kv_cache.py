@@ -24,7 +24,6 @@ from kvscale.kernels import kv_cache, rotary
 from kvscale.kernels._utils import next_power_of_2
 from kvscale.kernels.fp8 import is_fp8, quantize_e4m3
 from kvscale.kernels.kv_cache import write_kv_cache_ref
-from kvscale.kernels.pdl import pdl_enter, pdl_launch
 from kvscale.kernels.rotary import rotary_embedding_ref, rotated_halves
 
 
@@ -58,9 +57,7 @@ def _rope_kv_cache_kernel(
     QH_PAD: tl.constexpr,
     KH_PAD: tl.constexpr,
     QUANT: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):
-    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     live = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=live, other=-1).to(tl.int64)
@@ -160,7 +157,6 @@ def rope_and_write_kv(
         KH_PAD=next_power_of_2(num_kv_heads),
         QUANT=quant,
         num_warps=max(1, min(8, qh_pad * half // 512)),
-        **pdl_launch(q.device),
     )
     return q_out
 

@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from kvscale.kernels._utils import dot_precision, is_interpreter, num_sms
-from kvscale.kernels.pdl import pdl_enter, pdl_launch
 
 PACK = 8  # 4-bit codes per int32
 SYMMETRIC_ZERO = 8
@@ -455,53 +454,6 @@ def _split_k_sum_kernel(p_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _gemv_weights(
-    qw_ptr, s_ptr, z_ptr, k0, k_end, offs_n, n_mask, stride_qk, stride_sg, stride_zg,
-    BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    """The GEMV's K tile at ``k0``: its ``[BLOCK_K / 8, BLOCK_N]`` int32 words (zero past
-    ``k_end``) and its group's ``s``, ``-zero * s`` (see :func:`_group_scale`)."""
-    offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    w_ptrs = qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
-    if EVEN:  # every tile whole: no masks in the loop
-        words = tl.load(w_ptrs)
-    else:
-        words = tl.load(w_ptrs, mask=(offs_p * 8 < k_end)[:, None] & n_mask[None, :], other=0)
-    s, zs = _group_scale(s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, True)
-    return words, s, zs
-
-
-@triton.jit
-def _gemv_tile(
-    a_ptr, perm_ptr, words, s, zs, k0, k_end, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr,
-    EVEN: tl.constexpr,
-):  # fmt: skip
-    """The K tile at ``k0``'s share of the GEMV's sums, fp32 ``[BLOCK_N]``: nibble j of
-    word row r multiplies activation ``8r + j`` (``perm[8r + j]`` for act order)."""
-    offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
-    dot = tl.zeros_like(s)
-    for j in tl.static_range(8):
-        k = offs_p * 8 + j
-        k_mask = k < k_end  # a last word may hold fewer than 8 rows
-        if HAS_PERM:
-            if EVEN:
-                cols = tl.load(perm_ptr + k)
-            else:
-                cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
-        else:
-            cols = k
-        if EVEN:
-            a = tl.load(a_ptr + cols).to(tl.float32)
-        else:
-            a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
-        dot += tl.sum(codes * a[:, None], axis=0)
-        a_sum += a
-    return s * dot + zs * tl.sum(a_sum, axis=0)
-
-
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["stride_cs"])
 def _w4a16_gemv_kernel(
@@ -527,7 +479,6 @@ def _w4a16_gemv_kernel(
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
     EVEN: tl.constexpr = 0,
-    PDL: tl.constexpr = 0,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
     tile adds ``s sum_k c x + z' sum_k x`` per column. The ``[BLOCK_K / 8, BLOCK_N]`` tile
@@ -543,31 +494,46 @@ def _w4a16_gemv_kernel(
     Tried and not kept: nibbles made floats from their bits with 2**23 instead of an
     int-to-float conversion, on the earlier GEMV (NOTES e18) and on this one with FFMA
     partial sums (e37: 2-9% slower at the median config, the best within 5%);
-    prefetching the next tile's words (e18).
-    ``PDL`` (see ``kernels/pdl.py``): 1, the first tile's words and scales are requested
-    before waiting on the kernel that writes the activations; 2, the wait comes first."""
+    prefetching the next tile's words (e18)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PDL == 2:  # waits before touching memory at all (benchmarks compare)
-        pdl_enter(1)
-    # the first tile's weights are requested before waiting on the kernel that writes
-    # the activations (PDL): they are not its output
-    words, s, zs = _gemv_weights(
-        qw_ptr, s_ptr, z_ptr, k_start, k_end, offs_n, n_mask, stride_qk, stride_sg,
-        stride_zg, BLOCK_K, GROUP_SIZE, EVEN,
-    )  # fmt: skip
-    pdl_enter(PDL == 1)
-    acc = _gemv_tile(a_ptr, perm_ptr, words, s, zs, k_start, k_end, BLOCK_K, HAS_PERM, EVEN)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        words, s, zs = _gemv_weights(
-            qw_ptr, s_ptr, z_ptr, k0, k_end, offs_n, n_mask, stride_qk, stride_sg,
-            stride_zg, BLOCK_K, GROUP_SIZE, EVEN,
-        )  # fmt: skip
-        acc += _gemv_tile(a_ptr, perm_ptr, words, s, zs, k0, k_end, BLOCK_K, HAS_PERM, EVEN)
+    rows = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_p = k0 // 8 + rows
+        p_mask = offs_p * 8 < k_end
+        w_ptrs = qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
+        if EVEN:  # every tile whole: no masks in the loop
+            words = tl.load(w_ptrs)
+        else:
+            words = tl.load(w_ptrs, mask=p_mask[:, None] & n_mask[None, :], other=0)
+        s, zs = _group_scale(
+            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, True
+        )
+        a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(8):
+            k = offs_p * 8 + j
+            k_mask = k < k_end  # a last word may hold fewer than 8 rows
+            if HAS_PERM:
+                if EVEN:
+                    cols = tl.load(perm_ptr + k)
+                else:
+                    cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
+            else:
+                cols = k
+            if EVEN:
+                a = tl.load(a_ptr + cols).to(tl.float32)
+            else:
+                a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+            codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
+            dot += tl.sum(codes * a[:, None], axis=0)
+            a_sum += a
+        acc += s * dot + zs * tl.sum(a_sum, axis=0)
     _store_out(
         acc,
         c_ptr,
@@ -698,7 +664,6 @@ def w4a16_gemm(
             FIXUP=fixup,
             EVEN=k % block_k == 0 and n % cfg["BLOCK_N"] == 0,
             **cfg,
-            **pdl_launch(x.device),
         )
     else:
         _w4a16_kernel[grid](
