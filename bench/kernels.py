@@ -656,6 +656,17 @@ class Bench:
             for block_k in (128, 64):
                 cfg = w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=block_k)
                 configs.append((cfg, 0, True))
+            # the GEMV a word row at a time (ROWWISE, NOTES e45): the heuristic's tiles and
+            # the sweep's, zero points and not
+            for bn, bk, warps, stages in W4A16_GEMV_SWEEP:
+                for tiles in W4A16_GEMV_TILES[:2]:
+                    split = max(1, -(-k // (bk * tiles)))
+                    cfg = dict(GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                               num_warps=warps, num_stages=stages, ROWWISE=1)  # fmt: skip
+                    configs.append((cfg, tiles, False))
+            for row_form in (0, 1):
+                configs.append((dict(base, ROWWISE=row_form), 0, True))
+                configs.append((dict(base, ROWWISE=row_form), 0, False))
         else:
             splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
             for bn, bk, warps, stages in W4A16_SWEEP:
