@@ -110,17 +110,20 @@ def test_w4a16_group_modes_and_splits(
     _run(3, 232, 40, group_size, torch.float16, device, config=cfg, asym=False)
 
 
-@pytest.mark.parametrize("rowwise", [0, 1])
+@pytest.mark.parametrize("form", ["tile", "rowwise", "tma"])
 @pytest.mark.parametrize("split", [1, 3, 16])
 @pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 64), (32, 232), (128, 128)])
 def test_w4a16_gemv_one_row(
-    split: int, block_k: int, group_size: int, rowwise: int, device: torch.device
+    split: int, block_k: int, group_size: int, form: str, device: torch.device
 ) -> None:
-    """The one-row kernel, tile-wide and a word row at a time (``ROWWISE``): tiles of one
-    group (or one group in all), zero points or not, an act-order permutation, every
-    split count, K and N whole tiles or not (the mask-free loop and the masked one)."""
+    """The one-row kernel, tile-wide, a word row at a time (``ROWWISE``) and fed by the
+    tensor memory accelerator (``TMA``, three tiles in flight): tiles of one group (or
+    one group in all), zero points or not, an act-order permutation, every split count,
+    K and N whole tiles or not (the mask-free loop and the masked one)."""
     cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split,
-           "ROWWISE": rowwise}  # fmt: skip
+           "ROWWISE": int(form == "rowwise")}  # fmt: skip
+    if form == "tma":
+        cfg |= {"TMA": 1, "num_stages": 3}
     for dtype in kernel_dtypes():
         _run(1, 232, 40, group_size, dtype, device, config=cfg)
     _run(1, 232, 40, group_size, torch.float32, device, config=cfg, asym=False)
@@ -287,13 +290,16 @@ def test_w4a16_8b_shapes_gpu(dtype: torch.dtype, m: int, k: int, n: int) -> None
 
 
 @gpu_only
-@pytest.mark.parametrize("rowwise", [0, 1])
+@pytest.mark.parametrize("form", ["tile", "rowwise", "tma"])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("k,n", SHAPES_8B)
-def test_w4a16_gemv_both_forms_8b_gpu(k: int, n: int, asym: bool, rowwise: int) -> None:
-    """The GEMV's tile-wide and word-row forms at the default tiles, bf16."""
+def test_w4a16_gemv_forms_8b_gpu(k: int, n: int, asym: bool, form: str) -> None:
+    """The GEMV's tile-wide, word-row and TMA-fed forms at the default tiles, bf16 (TMA:
+    a quarter of the splits, four tiles in flight)."""
     dev = torch.device("cuda")
-    cfg = dict(w4a16_config(1, n, k, dev), ROWWISE=rowwise)
+    cfg = dict(w4a16_config(1, n, k, dev), ROWWISE=int(form == "rowwise"))
+    if form == "tma":
+        cfg |= {"TMA": 1, "num_stages": 4, "SPLIT_K": max(1, cfg["SPLIT_K"] // 4)}
     _run(1, k, n, 128, torch.bfloat16, dev, config=cfg, asym=asym)
 
 
