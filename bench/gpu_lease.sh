@@ -695,6 +695,22 @@ plan_r34() {
   bench pdl-a 300 pdl-a
 }
 
+# r35-r37 ran by hand (one call each, NOTES e44 and e45): bench/pdl_chain.py (since
+# removed), Nsight Compute on the GEMV (bench/gemv_profile.py, --rowwise 0/1), the W4A16
+# tests and sweep with the word-row and TMA-fed forms (the TMA form since removed).
+# r38 (one H100, issue 23; NOTES e45): gate_up's GEMV a word row at a time: the W4A16
+# tests natively, the int4 engine tests, int4 C (GPTQ, AWQ, bf16), GPTQ's decode step.
+plan_r38() {
+  facts
+  ckpt_write &
+  step tests-w4a16 200 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
+    -k "8b or graph or gemv or symmetric or default"
+  wait
+  bench int4 150 int4
+  step tests-int4 150 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  bench decode-kernels-int4 100 decode-kernels-int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -74,10 +74,6 @@ W4A16_SWEEP = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 
 W4A16_GEMV_SWEEP = ((128, 128, 1, 1), (128, 64, 1, 1), (256, 128, 2, 1), (256, 64, 2, 1),
                     (256, 32, 2, 1), (512, 64, 4, 1), (512, 128, 4, 1))  # fmt: skip
 W4A16_GEMV_TILES = (1, 2, 4)
-# the TMA-fed GEMV's (BLOCK_N, num_warps), K tiles a program and pipeline stages
-W4A16_TMA_TILES = ((256, 2), (128, 1), (512, 4))
-W4A16_TMA_K_TILES = (2, 4, 8, 16)
-W4A16_TMA_STAGES = (2, 3, 4)
 
 COPY = "copy"
 MATMUL = "matmul"
@@ -660,20 +656,13 @@ class Bench:
             for block_k in (128, 64):
                 cfg = w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=block_k)
                 configs.append((cfg, 0, True))
-            # the GEMV a word row at a time (ROWWISE, NOTES e45): r36's best tiles
+            # the GEMV a word row at a time (ROWWISE, NOTES e45) at r36's best tiles (the
+            # tile-wide form's are the sweep's rows above)
             for tiles in (1, 2):
                 split = max(1, -(-k // (128 * tiles)))
                 cfg = dict(GEMV=1, BLOCK_M=1, BLOCK_N=128, BLOCK_K=128, SPLIT_K=split,
                            num_warps=1, num_stages=1, ROWWISE=1)  # fmt: skip
                 configs.append((cfg, tiles, False))
-            # words fed by the TMA (NOTES e45): K tiles a program and tiles in flight
-            for bn, warps in W4A16_TMA_TILES:
-                for tiles in W4A16_TMA_K_TILES:
-                    for stages in W4A16_TMA_STAGES:
-                        split = max(1, -(-k // (128 * tiles)))
-                        cfg = dict(GEMV=1, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=split,
-                                   num_warps=warps, num_stages=stages, TMA=1)  # fmt: skip
-                        configs.append((cfg, tiles, False))
         else:
             splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
             for bn, bk, warps, stages in W4A16_SWEEP:

@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvscale.kernels._utils import dot_precision, is_interpreter, num_sms
 
@@ -51,7 +50,10 @@ ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
 TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
 GEMV_PROGRAMS_PER_SM = 3  # the GEMV takes 256 rows of K a program if that leaves this many
 GEMV_BLOCK_KS = (128, 64)  # the GEMV's K tile: the first that the groups allow
-GEMV_ROWWISE = 0  # the GEMV a word row at a time (1) or a tile at a time (0); NOTES e45
+# outputs from which the GEMV runs a word row at a time, 128 columns a program, one warp
+# (r37's sweep on an H100: gate_up 39.6 against 44.2 us; the narrower 8B layers within
+# 2% either way; NOTES e45)
+GEMV_ROWWISE_MIN_N = 16384
 MAX_SPLIT_K = 16
 MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
 
@@ -173,10 +175,11 @@ def w4a16_config(
 
     One row takes the GEMV kernel (``GEMV: 1``) where its groups allow a K tile
     (``gemv_block_k``: see :func:`gemv_block_k`; None: they do not): 256 columns a tile,
-    2 warps, K split so that each program takes 256 rows of K where that still leaves
-    ``GEMV_PROGRAMS_PER_SM`` programs an SM, else 128 (leases r22-r24's sweeps at the 8B
-    shapes, NOTES e33 and e37: in 128-row tiles where the groups allow, 5-10% faster
-    than in 64-row ones). Other decode-sized
+    2 warps (from ``GEMV_ROWWISE_MIN_N`` outputs: a word row at a time, ``ROWWISE: 1``,
+    128 columns, 1 warp), K split so that each program takes 256 rows of K where that
+    still leaves ``GEMV_PROGRAMS_PER_SM`` programs an SM, else 128 (leases r22-r24's
+    sweeps at the 8B shapes, NOTES e33 and e37: in 128-row tiles where the groups
+    allow, 5-10% faster than in 64-row ones). Other decode-sized
     batches (``m <= 64``) take 16/32/64-row tiles, split until there are about
     ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K tile); larger
     batches take 128 x 128 tiles, split only while the output tiles alone leave SMs idle.
@@ -185,13 +188,15 @@ def w4a16_config(
     """
     sms = num_sms(device)
     if m == 1 and gemv_block_k is not None:
-        block_n, block_k = (32, 32) if is_interpreter() else (256, gemv_block_k)
+        rowwise = n >= GEMV_ROWWISE_MIN_N
+        block_n, warps = (128, 1) if rowwise else (256, 2)
+        block_n, block_k = (32, 32) if is_interpreter() else (block_n, gemv_block_k)
         columns = triton.cdiv(n, block_n)
         per = 256 if columns * triton.cdiv(k, 256) >= GEMV_PROGRAMS_PER_SM * sms else 128
         split = max(1, triton.cdiv(k, max(per, block_k)))
         return {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                "SPLIT_K": split, "num_warps": 2, "num_stages": 1,
-                "ROWWISE": GEMV_ROWWISE}  # fmt: skip
+                "SPLIT_K": split, "num_warps": warps, "num_stages": 1,
+                "ROWWISE": int(rowwise)}  # fmt: skip
     if is_interpreter():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     elif m <= 64:
@@ -498,99 +503,6 @@ def _gemv_rows(
     return dot0 + dot1, a_sum
 
 
-@triton.jit
-def _tile_sums(
-    words, a_ptr, perm_ptr, offs_p, k_end, HAS_PERM: tl.constexpr, EVEN: tl.constexpr
-):  # fmt: skip
-    """A GEMV K tile's ``(sum_k code x [BLOCK_N], sum_k x)`` in fp32 from its
-    ``[BLOCK_K / 8, BLOCK_N]`` words (word rows ``offs_p``): nibble j of word row r
-    multiplies activation ``8r + j`` (``perm[8r + j]`` for act order); rows past
-    ``k_end`` count zero (``EVEN``: none are)."""
-    a_sum = tl.zeros(offs_p.shape, dtype=tl.float32)
-    dot = tl.zeros((words.shape[1],), dtype=tl.float32)
-    for j in tl.static_range(8):
-        k = offs_p * 8 + j
-        k_mask = k < k_end  # a last word may hold fewer than 8 rows
-        if HAS_PERM:
-            if EVEN:
-                cols = tl.load(perm_ptr + k)
-            else:
-                cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
-        else:
-            cols = k
-        if EVEN:
-            a = tl.load(a_ptr + cols).to(tl.float32)
-        else:
-            a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
-        dot += tl.sum(codes * a[:, None], axis=0)
-        a_sum += a
-    return dot, tl.sum(a_sum, axis=0)
-
-
-# Sizes that change every step are not specialized on, so no step recompiles.
-@triton.jit(do_not_specialize=["stride_cs"])
-def _w4a16_gemv_tma_kernel(
-    a_ptr,
-    qw_desc,
-    s_ptr,
-    z_ptr,
-    perm_ptr,
-    c_ptr,
-    p_ptr,
-    lock_ptr,
-    N,
-    K,
-    k_per_split,
-    stride_sg,
-    stride_zg,
-    stride_cs,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    SPLIT: tl.constexpr,
-    FIXUP: tl.constexpr,
-    STAGES: tl.constexpr,
-    EVEN: tl.constexpr = 0,
-):
-    """The GEMV of :func:`_w4a16_gemv_kernel` with its words brought in by the tensor
-    memory accelerator (``qw_desc``: a descriptor of the ``[K / 8, N]`` words in
-    ``[BLOCK_K / 8, BLOCK_N]`` boxes, zero outside), ``STAGES`` K tiles in flight a
-    program into shared memory while it multiplies an earlier one: the bytes in flight do
-    not take registers, so a program can run many K tiles (fewer splits) and keep the
-    memory busy between them (``TMA`` in the config; NOTES e45)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    rows = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        words = qw_desc.load([k0 // 8, pid_n * BLOCK_N])
-        s, zs = _group_scale(
-            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, True
-        )
-        dot, a_sum = _tile_sums(words, a_ptr, perm_ptr, k0 // 8 + rows, k_end, HAS_PERM, EVEN)
-        acc += s * dot + zs * a_sum
-    _store_out(
-        acc,
-        c_ptr,
-        p_ptr,
-        lock_ptr,
-        pid_n,
-        pid_k,
-        tl.num_programs(1),
-        offs_n,
-        n_mask,
-        stride_cs,
-        SPLIT,
-        FIXUP,
-    )
-
-
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["stride_cs"])
 def _w4a16_gemv_kernel(
@@ -662,8 +574,26 @@ def _w4a16_gemv_kernel(
             s, zs = _group_scale(
                 s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, True
             )
-            dot, a_sum = _tile_sums(words, a_ptr, perm_ptr, offs_p, k_end, HAS_PERM, EVEN)
-            acc += s * dot + zs * a_sum
+            a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+            dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                k = offs_p * 8 + j
+                k_mask = k < k_end  # a last word may hold fewer than 8 rows
+                if HAS_PERM:
+                    if EVEN:
+                        cols = tl.load(perm_ptr + k)
+                    else:
+                        cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
+                else:
+                    cols = k
+                if EVEN:
+                    a = tl.load(a_ptr + cols).to(tl.float32)
+                else:
+                    a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+                codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
+                dot += tl.sum(codes * a[:, None], axis=0)
+                a_sum += a
+            acc += s * dot + zs * tl.sum(a_sum, axis=0)
     _store_out(
         acc,
         c_ptr,
@@ -766,45 +696,12 @@ def w4a16_gemm(
     fixup = split and want_fixup and grid[0] <= MAX_FIXUP_TILES
     dummy = qweight  # stands in for absent optional tensors (never read)
     locks = _tile_counters(x.device) if fixup else dummy
-    tma = bool(cfg.pop("TMA", 0))
-    if tma and not gemv:
-        raise ValueError(f"TMA is a GEMV option (M={m}, {config})")
     if gemv:
         del cfg["BLOCK_M"]
         if zeros is None:  # symmetric: 8s from a shared row (see _symmetric_zero_row)
             z_arg, stride_zg = _symmetric_zero_row(x.device, n), 0
         else:
             z_arg, stride_zg = zeros, zeros.stride(0)
-    if tma:
-        if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.data_ptr() % 16:
-            raise ValueError("TMA needs contiguous words, rows 16-byte aligned")
-        stages = cfg.pop("num_stages", 1)
-        cfg.pop("ROWWISE", None)
-        desc = TensorDescriptor.from_tensor(qweight, [block_k // PACK, cfg["BLOCK_N"]])
-        _w4a16_gemv_tma_kernel[grid](
-            x2,
-            desc,
-            scales,
-            z_arg,
-            perm if perm is not None else dummy,
-            out,
-            partial,
-            locks,
-            n,
-            k,
-            per_split,
-            scales.stride(0),
-            stride_zg,
-            n,
-            GROUP_SIZE=gs,
-            HAS_PERM=perm is not None,
-            SPLIT=split,
-            FIXUP=fixup,
-            STAGES=stages,
-            EVEN=k % block_k == 0,
-            **cfg,
-        )
-    elif gemv:
         _w4a16_gemv_kernel[grid](
             x2,
             qweight,
