@@ -7,13 +7,10 @@ groups of 128, the default config, so Nsight Compute can profile the second call
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         python bench/gemv_profile.py
 
-Prints each call's shape and config. ``--rowwise 0|1`` sets the GEMV's form (``ROWWISE``
-in its config; default: the heuristic's).
+Prints each call's shape and config.
 """
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 
@@ -29,26 +26,21 @@ SHAPES = (  # name, K, N of y[1, N] = x[1, K] @ w[K, N]
 def main() -> int:
     from kvscale.kernels import w4a16
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rowwise", type=int, choices=(0, 1), default=None)
-    args = ap.parse_args()
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for name, k, n in SHAPES:
         codes = torch.randint(0, 16, (k, n), generator=gen, device="cuda", dtype=torch.uint8)
         scales = torch.rand(k // GROUP, n, generator=gen, device="cuda") * 0.02
         x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
-        cfg = w4a16.w4a16_config(1, n, k, x.device, w4a16.gemv_block_k(GROUP, k // GROUP, False))
-        if args.rowwise is not None:
-            cfg["ROWWISE"] = args.rowwise
-        cases.append((name, x, w4a16.pack_int4_rows(codes), scales, cfg))
+        cases.append((name, x, w4a16.pack_int4_rows(codes), scales))
     for _ in range(2):
-        for _name, x, qweight, scales, cfg in cases:
-            w4a16.w4a16_gemm(x, qweight, scales, None, GROUP, config=cfg)
+        for _name, x, qweight, scales in cases:
+            w4a16.w4a16_gemm(x, qweight, scales, None, GROUP)
     torch.cuda.synchronize()
-    for name, x, qweight, _scales, cfg in cases:
-        print(f"{name}: K={x.shape[1]} N={qweight.shape[1]} {cfg}")
+    for name, x, qweight, _scales in cases:
+        k, n = x.shape[1], qweight.shape[1]
+        cfg = w4a16.w4a16_config(1, n, k, x.device, w4a16.gemv_block_k(GROUP, k // GROUP, False))
+        print(f"{name}: K={k} N={n} {cfg}")
     return 0
 
 

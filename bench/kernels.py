@@ -656,13 +656,6 @@ class Bench:
             for block_k in (128, 64):
                 cfg = w4a16.w4a16_config(m, n, k, self.device, gemv_block_k=block_k)
                 configs.append((cfg, 0, True))
-            # the GEMV a word row at a time (ROWWISE, NOTES e45) at r36's best tiles (the
-            # tile-wide form's are the sweep's rows above)
-            for tiles in (1, 2):
-                split = max(1, -(-k // (128 * tiles)))
-                cfg = dict(GEMV=1, BLOCK_M=1, BLOCK_N=128, BLOCK_K=128, SPLIT_K=split,
-                           num_warps=1, num_stages=1, ROWWISE=1)  # fmt: skip
-                configs.append((cfg, tiles, False))
         else:
             splits = {base["SPLIT_K"], max(1, base["SPLIT_K"] // 2), 2 * base["SPLIT_K"]}
             for bn, bk, warps, stages in W4A16_SWEEP:

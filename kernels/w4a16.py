@@ -50,10 +50,6 @@ ONE_GROUP = 1 << 30  # group size standing for "one group spans all of K"
 TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
 GEMV_PROGRAMS_PER_SM = 3  # the GEMV takes 256 rows of K a program if that leaves this many
 GEMV_BLOCK_KS = (128, 64)  # the GEMV's K tile: the first that the groups allow
-# outputs from which the GEMV runs a word row at a time, 128 columns a program, one warp
-# (r37's sweep on an H100: gate_up 39.6 against 44.2 us; the narrower 8B layers within
-# 2% either way; NOTES e45)
-GEMV_ROWWISE_MIN_N = 16384
 MAX_SPLIT_K = 16
 MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
 
@@ -175,11 +171,10 @@ def w4a16_config(
 
     One row takes the GEMV kernel (``GEMV: 1``) where its groups allow a K tile
     (``gemv_block_k``: see :func:`gemv_block_k`; None: they do not): 256 columns a tile,
-    2 warps (from ``GEMV_ROWWISE_MIN_N`` outputs: a word row at a time, ``ROWWISE: 1``,
-    128 columns, 1 warp), K split so that each program takes 256 rows of K where that
-    still leaves ``GEMV_PROGRAMS_PER_SM`` programs an SM, else 128 (leases r22-r24's
-    sweeps at the 8B shapes, NOTES e33 and e37: in 128-row tiles where the groups
-    allow, 5-10% faster than in 64-row ones). Other decode-sized
+    2 warps, K split so that each program takes 256 rows of K where that still leaves
+    ``GEMV_PROGRAMS_PER_SM`` programs an SM, else 128 (leases r22-r24's sweeps at the 8B
+    shapes, NOTES e33 and e37: in 128-row tiles where the groups allow, 5-10% faster
+    than in 64-row ones). Other decode-sized
     batches (``m <= 64``) take 16/32/64-row tiles, split until there are about
     ``TARGET_PROGRAMS_PER_SM`` programs per SM (each split at least one K tile); larger
     batches take 128 x 128 tiles, split only while the output tiles alone leave SMs idle.
@@ -188,15 +183,12 @@ def w4a16_config(
     """
     sms = num_sms(device)
     if m == 1 and gemv_block_k is not None:
-        rowwise = n >= GEMV_ROWWISE_MIN_N
-        block_n, warps = (128, 1) if rowwise else (256, 2)
-        block_n, block_k = (32, 32) if is_interpreter() else (block_n, gemv_block_k)
+        block_n, block_k = (32, 32) if is_interpreter() else (256, gemv_block_k)
         columns = triton.cdiv(n, block_n)
         per = 256 if columns * triton.cdiv(k, 256) >= GEMV_PROGRAMS_PER_SM * sms else 128
         split = max(1, triton.cdiv(k, max(per, block_k)))
         return {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                "SPLIT_K": split, "num_warps": warps, "num_stages": 1,
-                "ROWWISE": int(rowwise)}  # fmt: skip
+                "SPLIT_K": split, "num_warps": 2, "num_stages": 1}  # fmt: skip
     if is_interpreter():
         cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     elif m <= 64:
@@ -462,47 +454,6 @@ def _split_k_sum_kernel(p_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _gemv_rows(
-    a_ptr, qw_ptr, perm_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K: tl.constexpr,
-    HAS_PERM: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    """The GEMV's K tile at ``k0`` a word row at a time: ``(sum_k code x [BLOCK_N],
-    sum_k x)`` in fp32, each product one FFMA of a nibble by a scalar activation into one
-    of two interleaved sums (the tile-wide form's products and reduction tree take ~1.7
-    float instructions a weight)."""
-    dot0 = tl.zeros(offs_n.shape, dtype=tl.float32)
-    dot1 = tl.zeros(offs_n.shape, dtype=tl.float32)
-    a_sum = 0.0
-    for r in tl.static_range(BLOCK_K // 8):
-        p = k0 // 8 + r
-        w_ptrs = qw_ptr + p.to(tl.int64) * stride_qk + offs_n
-        if EVEN:
-            words = tl.load(w_ptrs)
-        else:
-            words = tl.load(w_ptrs, mask=n_mask & (p * 8 < k_end), other=0)
-        for j in tl.static_range(8):
-            k = p * 8 + j
-            if HAS_PERM:
-                if EVEN:
-                    col = tl.load(perm_ptr + k)
-                else:
-                    col = tl.load(perm_ptr + k, mask=k < k_end, other=0)
-            else:
-                col = k
-            if EVEN:
-                a = tl.load(a_ptr + col).to(tl.float32)
-            else:
-                a = tl.load(a_ptr + col, mask=k < k_end, other=0.0).to(tl.float32)
-            code = ((words >> (4 * j)) & 0xF).to(tl.float32)
-            if j % 2 == 0:
-                dot0 += code * a
-            else:
-                dot1 += code * a
-            a_sum += a
-    return dot0 + dot1, a_sum
-
-
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["stride_cs"])
 def _w4a16_gemv_kernel(
@@ -528,7 +479,6 @@ def _w4a16_gemv_kernel(
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
     EVEN: tl.constexpr = 0,
-    ROWWISE: tl.constexpr = 0,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
     tile adds ``s sum_k c x + z' sum_k x`` per column. The ``[BLOCK_K / 8, BLOCK_N]`` tile
@@ -554,46 +504,36 @@ def _w4a16_gemv_kernel(
     rows = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if ROWWISE:
-            s, zs = _group_scale(
-                s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, True
-            )
-            dot, a_sum = _gemv_rows(
-                a_ptr, qw_ptr, perm_ptr, k0, k_end, offs_n, n_mask, stride_qk, BLOCK_K,
-                HAS_PERM, EVEN,
-            )  # fmt: skip
-            acc += s * dot + zs * a_sum
+        offs_p = k0 // 8 + rows
+        p_mask = offs_p * 8 < k_end
+        w_ptrs = qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
+        if EVEN:  # every tile whole: no masks in the loop
+            words = tl.load(w_ptrs)
         else:
-            offs_p = k0 // 8 + rows
-            p_mask = offs_p * 8 < k_end
-            w_ptrs = qw_ptr + offs_p[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
-            if EVEN:  # every tile whole: no masks in the loop
-                words = tl.load(w_ptrs)
-            else:
-                words = tl.load(w_ptrs, mask=p_mask[:, None] & n_mask[None, :], other=0)
-            s, zs = _group_scale(
-                s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, True
-            )
-            a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
-            dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for j in tl.static_range(8):
-                k = offs_p * 8 + j
-                k_mask = k < k_end  # a last word may hold fewer than 8 rows
-                if HAS_PERM:
-                    if EVEN:
-                        cols = tl.load(perm_ptr + k)
-                    else:
-                        cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
-                else:
-                    cols = k
+            words = tl.load(w_ptrs, mask=p_mask[:, None] & n_mask[None, :], other=0)
+        s, zs = _group_scale(
+            s_ptr, z_ptr, k0 // GROUP_SIZE, offs_n, n_mask, stride_sg, stride_zg, True
+        )
+        a_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(8):
+            k = offs_p * 8 + j
+            k_mask = k < k_end  # a last word may hold fewer than 8 rows
+            if HAS_PERM:
                 if EVEN:
-                    a = tl.load(a_ptr + cols).to(tl.float32)
+                    cols = tl.load(perm_ptr + k)
                 else:
-                    a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-                codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
-                dot += tl.sum(codes * a[:, None], axis=0)
-                a_sum += a
-            acc += s * dot + zs * tl.sum(a_sum, axis=0)
+                    cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
+            else:
+                cols = k
+            if EVEN:
+                a = tl.load(a_ptr + cols).to(tl.float32)
+            else:
+                a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+            codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
+            dot += tl.sum(codes * a[:, None], axis=0)
+            a_sum += a
+        acc += s * dot + zs * tl.sum(a_sum, axis=0)
     _store_out(
         acc,
         c_ptr,

@@ -110,17 +110,15 @@ def test_w4a16_group_modes_and_splits(
     _run(3, 232, 40, group_size, torch.float16, device, config=cfg, asym=False)
 
 
-@pytest.mark.parametrize("rowwise", [0, 1])
 @pytest.mark.parametrize("split", [1, 3, 16])
 @pytest.mark.parametrize("block_k,group_size", [(32, 64), (64, 64), (32, 232), (128, 128)])
 def test_w4a16_gemv_one_row(
-    split: int, block_k: int, group_size: int, rowwise: int, device: torch.device
+    split: int, block_k: int, group_size: int, device: torch.device
 ) -> None:
-    """The one-row kernel, tile-wide and a word row at a time (``ROWWISE``): tiles of one
-    group (or one group in all), zero points or not, an act-order permutation, every
-    split count, K and N whole tiles or not (the mask-free loop and the masked one)."""
-    cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split,
-           "ROWWISE": rowwise}  # fmt: skip
+    """The one-row kernel: tiles of one group (or one group in all), zero points or not,
+    an act-order permutation, every split count, K and N whole tiles or not (the
+    mask-free loop and the masked one)."""
+    cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": split}
     for dtype in kernel_dtypes():
         _run(1, 232, 40, group_size, dtype, device, config=cfg)
     _run(1, 232, 40, group_size, torch.float32, device, config=cfg, asym=False)
@@ -247,8 +245,7 @@ def test_gemv_takes_256_rows_of_k_a_program_where_that_still_fills_the_sms(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a 132-SM H100 (leases r22-r24's sweeps): 128 rows of K a program for qkv and o,
-    256 for gate_up and down, in 128-row tiles where the groups allow (64 otherwise);
-    gate_up a word row at a time in 128 columns and one warp (r37's sweep)."""
+    256 for gate_up and down, in 128-row tiles where the groups allow (64 otherwise)."""
     monkeypatch.setattr(w4a16, "is_interpreter", lambda: False)
     monkeypatch.setattr(w4a16, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
@@ -259,9 +256,7 @@ def test_gemv_takes_256_rows_of_k_a_program_where_that_still_fills_the_sms(
                 for k, n in SHAPES_8B}  # fmt: skip
         assert by_k == splits  # the same rows of K a program in tiles of 64
     cfg = w4a16_config(1, 4096, 4096, dev)
-    assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["ROWWISE"]) == (256, 128, 2, 0)
-    wide = w4a16_config(1, 28672, 4096, dev)  # gate_up: a word row at a time (r37)
-    assert (wide["BLOCK_N"], wide["num_warps"], wide["ROWWISE"]) == (128, 1, 1)
+    assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (256, 128, 2)
     assert w4a16.gemv_block_k(128, 32, False) == 128
     assert w4a16.gemv_block_k(64, 64, False) == 64
     assert w4a16.gemv_block_k(32, 128, False) is None  # two groups in every 64-row tile
@@ -287,17 +282,6 @@ def test_symmetric_gemvs_share_rows_of_eights_that_are_never_freed() -> None:
 @pytest.mark.parametrize("k,n", SHAPES_8B)
 def test_w4a16_8b_shapes_gpu(dtype: torch.dtype, m: int, k: int, n: int) -> None:
     _run(m, k, n, 128, dtype, torch.device("cuda"), asym=m % 2 == 0)
-
-
-@gpu_only
-@pytest.mark.parametrize("rowwise", [0, 1])
-@pytest.mark.parametrize("asym", [False, True])
-@pytest.mark.parametrize("k,n", SHAPES_8B)
-def test_w4a16_gemv_both_forms_8b_gpu(k: int, n: int, asym: bool, rowwise: int) -> None:
-    """The GEMV's tile-wide and word-row forms at the default tiles, bf16."""
-    dev = torch.device("cuda")
-    cfg = dict(w4a16_config(1, n, k, dev), ROWWISE=rowwise)
-    _run(1, k, n, 128, torch.bfloat16, dev, config=cfg, asym=asym)
 
 
 @gpu_only
