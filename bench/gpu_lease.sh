@@ -698,6 +698,7 @@ plan_r34() {
 # r35-r37 ran by hand (one call each, NOTES e44 and e45): bench/pdl_chain.py (since
 # removed), Nsight Compute on the GEMV (bench/gemv_profile.py, --rowwise 0/1), the W4A16
 # tests and sweep with the word-row and TMA-fed forms (the TMA form since removed).
+# r38 ran at d06472e; the word-row GEMV was removed after it (NOTES e45 measured).
 # r38 (one H100, issue 23; NOTES e45): gate_up's GEMV a word row at a time: the W4A16
 # tests natively, the int4 engine tests, int4 C (GPTQ, AWQ, bf16), GPTQ's decode step.
 plan_r38() {
@@ -709,6 +710,16 @@ plan_r38() {
   bench int4 150 int4
   step tests-int4 150 "${PT[@]}" tests/gpu/test_int4_cuda.py
   bench decode-kernels-int4 100 decode-kernels-int4
+}
+
+# r39 (one H100, issue 23): the checks owed at HEAD: the elementwise kernel tests natively
+# (r34 ran them with PDL on), bench/fp8_mm.py (owed since 6a21a39), the whole W4A16 test
+# file natively (r29 ran out of time at 52%).
+plan_r39() {
+  facts
+  step tests-elementwise 150 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_elementwise.py
+  step fp8-mm 150 python3 bench/fp8_mm.py --out-dir "$RES"
+  step tests-w4a16 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py
 }
 
 case "$1" in
