@@ -722,6 +722,19 @@ plan_r39() {
   step tests-w4a16 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py
 }
 
+# r40 (one H100, issue 23; NOTES e46): SiLU-and-mul applied by the int4 down_proj's GEMV:
+# its kernel tests natively, the int4 engine tests, int4 C, GPTQ's decode step.
+plan_r40() {
+  facts
+  ckpt_write &
+  step tests-w4a16 200 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
+    -k "gated or gemv or graph or 8b"
+  wait
+  bench int4 150 int4
+  step tests-int4 150 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  bench decode-kernels-int4 100 decode-kernels-int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
