@@ -722,6 +722,7 @@ plan_r39() {
   step tests-w4a16 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py
 }
 
+# r40 ran at 3429182; the fusion was removed after it (NOTES e46 measured).
 # r40 (one H100, issue 23; NOTES e46): SiLU-and-mul applied by the int4 down_proj's GEMV:
 # its kernel tests natively, the int4 engine tests, int4 C, GPTQ's decode step.
 plan_r40() {

@@ -17,7 +17,7 @@ from kvscale.kernels.rmsnorm import row_launch_opts
 
 
 @triton.jit
-def silu_mul(a, b):
+def _silu_mul(a, b):
     """``silu(a) * b`` in fp32 (``a``, ``b``: fp32)."""
     return a / (1.0 + tl.exp(-a)) * b
 
@@ -38,7 +38,7 @@ def _silu_and_mul_kernel(
     mask = (offs < inter) & (row < num_rows)
     a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    y = silu_mul(a, b)
+    y = _silu_mul(a, b)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -78,7 +78,7 @@ def _silu_and_mul_quant_kernel(
     mask = (offs < (g + 1) * group) & (row < num_rows)
     a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    y = silu_mul(a, b).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = _silu_mul(a, b).to(x_ptr.dtype.element_ty).to(tl.float32)
     s_offs = tl.arange(0, 1)
     quantize_store_groups(
         y, q_ptr + row * stride_q + offs, s_ptr + row * stride_s + g + s_offs, mask,

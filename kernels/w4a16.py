@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from kvscale.kernels._utils import dot_precision, is_interpreter, num_sms
-from kvscale.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_mul
 
 PACK = 8  # 4-bit codes per int32
 SYMMETRIC_ZERO = 8
@@ -151,13 +150,9 @@ def w4a16_gemm_ref(
     perm: torch.Tensor | None = None,
     g_idx: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """Pure-torch reference and CPU path: the weight dequantized in fp32, rounded to x's
-    dtype, multiplied with fp32 accumulation. ``config`` is ignored (same signature);
-    ``gated``: see :func:`w4a16_gemm`."""
-    if gated:
-        x = silu_and_mul_ref(x)
+    dtype, multiplied with fp32 accumulation. ``config`` is ignored (same signature)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     _check(x2, qweight, scales, zeros, group_size, perm, g_idx)
@@ -459,24 +454,6 @@ def _split_k_sum_kernel(p_ptr, out_ptr, total, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _activation(a_ptr, cols, mask, K, EVEN: tl.constexpr, GATED: tl.constexpr):
-    """The GEMV's activations at ``cols`` in fp32 (zero where not ``mask``; ``EVEN``: no
-    mask). ``GATED``: ``a_ptr`` holds ``[gate | up]`` (``2 K`` values) and the activation
-    is ``silu(gate) * up`` rounded to their dtype, the bits of ``activation.silu_and_mul``."""
-    if EVEN:
-        a = tl.load(a_ptr + cols).to(tl.float32)
-    else:
-        a = tl.load(a_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if GATED:
-        if EVEN:
-            up = tl.load(a_ptr + K + cols).to(tl.float32)
-        else:
-            up = tl.load(a_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
-        a = silu_mul(a, up).to(a_ptr.dtype.element_ty).to(tl.float32)
-    return a
-
-
 # Sizes that change every step are not specialized on, so no step recompiles.
 @triton.jit(do_not_specialize=["stride_cs"])
 def _w4a16_gemv_kernel(
@@ -502,7 +479,6 @@ def _w4a16_gemv_kernel(
     SPLIT: tl.constexpr,
     FIXUP: tl.constexpr,
     EVEN: tl.constexpr = 0,
-    GATED: tl.constexpr = 0,
 ):
     """One row: ``c[n] = sum_k x[k] w[k, n]``; every K tile lies in one group, so each
     tile adds ``s sum_k c x + z' sum_k x`` per column. The ``[BLOCK_K / 8, BLOCK_N]`` tile
@@ -514,8 +490,7 @@ def _w4a16_gemv_kernel(
     gate_up 19% faster, the other 8B layers within 4% either way, int4 C 3.98 -> 3.66 ms
     (NOTES e33). ``EVEN`` (K and N whole tiles: the caller's): no masks in the loop.
     Zero points are always read (symmetric weights: from a row of 8s with a group stride
-    of 0, see ``_symmetric_zero_row``). ``GATED``: the row is a gated MLP's ``[gate |
-    up]`` and SiLU-and-mul is applied as it is read (see :func:`_activation`).
+    of 0, see ``_symmetric_zero_row``).
     Tried and not kept: nibbles made floats from their bits with 2**23 instead of an
     int-to-float conversion, on the earlier GEMV (NOTES e18) and on this one with FFMA
     partial sums (e37: 2-9% slower at the median config, the best within 5%);
@@ -551,7 +526,10 @@ def _w4a16_gemv_kernel(
                     cols = tl.load(perm_ptr + k, mask=k_mask, other=0)
             else:
                 cols = k
-            a = _activation(a_ptr, cols, k_mask, K, EVEN, GATED)
+            if EVEN:
+                a = tl.load(a_ptr + cols).to(tl.float32)
+            else:
+                a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
             codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
             dot += tl.sum(codes * a[:, None], axis=0)
             a_sum += a
@@ -624,27 +602,15 @@ def w4a16_gemm(
     perm: torch.Tensor | None = None,
     g_idx: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """``x [..., K]`` times the 4-bit weight (module docstring) -> ``[..., N]`` in x's
     dtype. ``config`` overrides :func:`w4a16_config` (BLOCK_M/N/K, SPLIT_K, num_warps,
-    num_stages; benchmarks sweep it). ``gated``: ``x [..., 2K]`` is a gated MLP's ``[gate
-    | up]`` and the product's input is ``activation.silu_and_mul(x)``: applied as the
-    GEMV reads its row (one kernel fewer a step), by that kernel first otherwise."""
-    if gated:
-        if x.shape[-1] % 2:
-            raise ValueError(f"a gated input [..., 2K] needs an even last dim, got {x.shape}")
-        if config is not None:
-            fused = bool(config.get("GEMV"))
-        else:
-            fused = gemv_block_k(group_size, scales.shape[0], g_idx is not None) is not None
-        if not fused or x.numel() != x.shape[-1]:  # the GEMV takes it, on one row
-            x, gated = silu_and_mul(x), False
-    k = x.shape[-1] // 2 if gated else x.shape[-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    num_stages; benchmarks sweep it)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, n, _ = _check(x2[:, :k], qweight, scales, zeros, group_size, perm, g_idx)
+    m, n, _ = _check(x2, qweight, scales, zeros, group_size, perm, g_idx)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
@@ -697,7 +663,6 @@ def w4a16_gemm(
             SPLIT=split,
             FIXUP=fixup,
             EVEN=k % block_k == 0 and n % cfg["BLOCK_N"] == 0,
-            GATED=gated,
             **cfg,
         )
     else:

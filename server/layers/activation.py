@@ -1,5 +1,4 @@
-"""SiLU-and-mul for gated MLPs, FP8 quantization of its output, or its handing on to a
-linear method that applies it as it reads its input."""
+"""SiLU-and-mul for gated MLPs, and FP8 quantization of its output."""
 
 from __future__ import annotations
 
@@ -8,21 +7,18 @@ from torch import nn
 
 from kvscale.kernels.activation import silu_quant_fusable
 from kvscale.server.layers import ops
-from kvscale.server.quantization.base import Fp8Activation, GatedActivation
+from kvscale.server.quantization.base import Fp8Activation
 
 
 class SiluAndMul(nn.Module):
     """``x [T, 2*I]`` -> ``silu(x[:, :I]) * x[:, I:]`` of shape ``[T, I]``."""
 
     def forward(
-        self, x: torch.Tensor, fp8_group: int | None = None, gated: bool = False
-    ) -> torch.Tensor | Fp8Activation | GatedActivation:
+        self, x: torch.Tensor, fp8_group: int | None = None
+    ) -> torch.Tensor | Fp8Activation:
         """``fp8_group``: the next layer's ``fp8_input_group``; the output comes back
         quantized so (``Fp8Activation``) from the activation's own kernel where the
-        groups suit it (``silu_quant_fusable``). ``gated``: the next layer's
-        ``gated_input``; ``x`` goes on as a ``GatedActivation`` for it to compute."""
-        if gated:
-            return GatedActivation(x)
+        groups suit it (``silu_quant_fusable``)."""
         inter = x.shape[-1] // 2
         if fp8_group is not None and silu_quant_fusable(inter, fp8_group):
             codes, scales = ops.silu_and_mul_quant(x.reshape(-1, 2 * inter), fp8_group)

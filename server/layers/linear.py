@@ -16,7 +16,7 @@ from torch import nn
 
 from kvscale.server.parallel import ParallelState
 from kvscale.server.quantization import DenseLinearMethod, LinearMethod, set_weight_attrs
-from kvscale.server.quantization.base import Fp8Activation, GatedActivation
+from kvscale.server.quantization.base import Fp8Activation
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -55,8 +55,6 @@ class LinearBase(nn.Module):
         )
         # the FP8 groups the method quantizes its input in: the layer before may do it
         self.fp8_input_group = self.linear_method.fp8_input_group(in_per_rank)
-        # whether the method applies a gated MLP's activation to its input itself
-        self.gated_input = self.linear_method.takes_gated_input()
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -244,7 +242,7 @@ class RowParallelLinear(LinearBase):
         size = param.data.shape[dim]  # stored units, packing or grouping included
         _copy_checked(param.data, loaded.narrow(dim, self.parallel.rank * size, size))
 
-    def forward(self, x: torch.Tensor | Fp8Activation | GatedActivation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         y = self.linear_method.apply(self, x, None)
         if self.reduce_results:
             y = self.parallel.all_reduce(y)

@@ -113,8 +113,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        down = self.down_proj
-        return down(self.act(self.gate_up_proj(x), down.fp8_input_group, down.gated_input))
+        return self.down_proj(self.act(self.gate_up_proj(x), self.down_proj.fp8_input_group))
 
 
 class LlamaDecoderLayer(nn.Module):

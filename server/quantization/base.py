@@ -35,14 +35,6 @@ class Fp8Activation(NamedTuple):
     dtype: torch.dtype
 
 
-class GatedActivation(NamedTuple):
-    """A gated MLP's activation not yet computed, for a linear method that computes it as
-    it reads its input (``takes_gated_input``): the input is ``silu(gate_up[..., :I]) *
-    gate_up[..., I:]`` (``activation.silu_and_mul``) of ``gate_up [..., 2*I]``."""
-
-    gate_up: torch.Tensor
-
-
 class LinearMethod(ABC):
     """Creates a linear layer's parameters and runs its matmul."""
 
@@ -60,11 +52,6 @@ class LinearMethod(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
         """Repacks loaded weights for the kernels (optional)."""
-
-    def takes_gated_input(self) -> bool:
-        """Whether ``apply`` also takes a ``GatedActivation`` (and applies SiLU-and-mul
-        itself, where that saves a kernel)."""
-        return False
 
     def fp8_input_group(self, in_features: int) -> int | None:
         """The group of input columns this method quantizes its input to FP8 in, token

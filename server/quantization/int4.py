@@ -27,7 +27,7 @@ from torch import nn
 from kvscale.kernels.w4a16 import pack_int4_rows, unpack_int4_rows, w4a16_gemm, w4a16_gemm_ref
 from kvscale.server.config import CheckpointError
 from kvscale.server.layers import ops
-from kvscale.server.quantization.base import GatedActivation, LinearMethod, set_weight_attrs
+from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 
 PACK = 8
 
@@ -41,12 +41,10 @@ def w4a16_op(
     group_size: int,
     perm: torch.Tensor | None,
     g_idx: torch.Tensor | None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    """``x [T, K]`` (``gated``: ``[T, 2K]``, see ``w4a16_gemm``) -> ``[T, N]``: the kernel
-    on CUDA, the reference elsewhere."""
+    """``x [T, K]`` -> ``[T, N]``: the kernel on CUDA, the reference elsewhere."""
     gemm = w4a16_gemm if x.is_cuda else w4a16_gemm_ref
-    return gemm(x, qweight, scales, zeros, group_size, perm, g_idx, gated=gated)
+    return gemm(x, qweight, scales, zeros, group_size, perm, g_idx)
 
 
 @w4a16_op.register_fake
@@ -58,7 +56,6 @@ def _(
     group_size: int,
     perm: torch.Tensor | None,
     g_idx: torch.Tensor | None,
-    gated: bool = False,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], qweight.shape[1]))
 
@@ -159,15 +156,7 @@ class Int4LinearMethod(LinearMethod):
         layer.w4_g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
         layer.w4_group_size = group_size
 
-    def takes_gated_input(self) -> bool:
-        return True
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor | GatedActivation, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        gated = isinstance(x, GatedActivation)
-        if gated:
-            x = x.gate_up
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         args = (
             layer.w4_qweight,
             layer.w4_scales,
@@ -177,7 +166,7 @@ class Int4LinearMethod(LinearMethod):
             layer.w4_g_idx,
         )
         if torch.compiler.is_compiling():
-            y = torch.ops.kvscale.w4a16_gemm(x, *args, gated)
+            y = torch.ops.kvscale.w4a16_gemm(x, *args)
         else:
-            y = ops.w4a16_gemm(x, *args, gated=gated)
+            y = ops.w4a16_gemm(x, *args)
         return y if bias is None else y + bias

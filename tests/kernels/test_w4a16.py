@@ -207,30 +207,6 @@ def test_empty_batch(device: torch.device) -> None:
     assert out.shape == (0, 16)
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("k", [256, 232])
-def test_gated_input_is_silu_and_mul_then_the_product(
-    k: int, act_order: bool, device: torch.device
-) -> None:
-    """``gated``: one row through the GEMV, which applies SiLU-and-mul as it reads its
-    input, gives the bits of the activation kernel followed by the product; several rows
-    (the tile kernel) take the activation kernel first; the reference alike."""
-    from kvscale.kernels.activation import silu_and_mul
-
-    w = _weights(k, 64, 64 if k == 256 else k, device, act_order=act_order)
-    w.pop("codes")
-    for dtype in kernel_dtypes():
-        for m in (1, 3):
-            gate_up = torch.randn(m, 2 * k, dtype=dtype, device=device)
-            got = w4a16_gemm(gate_up, **w, gated=True)  # type: ignore[arg-type]
-            want = w4a16_gemm(silu_and_mul(gate_up), **w)  # type: ignore[arg-type]
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-            ref = w4a16_gemm_ref(gate_up, **w, gated=True)  # type: ignore[arg-type]
-            torch.testing.assert_close(ref, w4a16_gemm_ref(silu_and_mul(gate_up), **w))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="even last dim"):
-        w4a16_gemm(torch.randn(1, 2 * k + 1, device=device), **w, gated=True)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("gemv", [0, 1])
 @pytest.mark.parametrize("split", [2, 3, 16])
 def test_split_k_in_one_kernel_equals_the_sum_kernel(
