@@ -701,15 +701,19 @@ plan_r34() {
 # r38 ran at d06472e; the word-row GEMV was removed after it (NOTES e45 measured).
 # r38 (one H100, issue 23; NOTES e45): gate_up's GEMV a word row at a time: the W4A16
 # tests natively, the int4 engine tests, int4 C (GPTQ, AWQ, bf16), GPTQ's decode step.
-plan_r38() {
+int4_round() {  # int4_round FILTER: W4A16 tests natively (-k FILTER) beside the
+  # checkpoint's write, int4 C, the int4 engine tests, GPTQ's decode step kernel by kernel
   facts
   ckpt_write &
-  step tests-w4a16 200 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
-    -k "8b or graph or gemv or symmetric or default"
+  step tests-w4a16 200 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py -k "$1"
   wait
   bench int4 150 int4
   step tests-int4 150 "${PT[@]}" tests/gpu/test_int4_cuda.py
   bench decode-kernels-int4 100 decode-kernels-int4
+}
+
+plan_r38() {
+  int4_round "8b or graph or gemv or symmetric or default"
 }
 
 # r39 (one H100, issue 23): the checks owed at HEAD: the elementwise kernel tests natively
@@ -726,14 +730,7 @@ plan_r39() {
 # r40 (one H100, issue 23; NOTES e46): SiLU-and-mul applied by the int4 down_proj's GEMV:
 # its kernel tests natively, the int4 engine tests, int4 C, GPTQ's decode step.
 plan_r40() {
-  facts
-  ckpt_write &
-  step tests-w4a16 200 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16.py \
-    -k "gated or gemv or graph or 8b"
-  wait
-  bench int4 150 int4
-  step tests-int4 150 "${PT[@]}" tests/gpu/test_int4_cuda.py
-  bench decode-kernels-int4 100 decode-kernels-int4
+  int4_round "gated or gemv or graph or 8b"
 }
 
 case "$1" in
