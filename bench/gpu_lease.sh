@@ -695,12 +695,6 @@ plan_r34() {
   bench pdl-a 300 pdl-a
 }
 
-# r35-r37 ran by hand (one call each, NOTES e44 and e45): bench/pdl_chain.py (since
-# removed), Nsight Compute on the GEMV (bench/gemv_profile.py, --rowwise 0/1), the W4A16
-# tests and sweep with the word-row and TMA-fed forms (the TMA form since removed).
-# r38 ran at d06472e; the word-row GEMV was removed after it (NOTES e45 measured).
-# r38 (one H100, issue 23; NOTES e45): gate_up's GEMV a word row at a time: the W4A16
-# tests natively, the int4 engine tests, int4 C (GPTQ, AWQ, bf16), GPTQ's decode step.
 int4_round() {  # int4_round FILTER: W4A16 tests natively (-k FILTER) beside the
   # checkpoint's write, int4 C, the int4 engine tests, GPTQ's decode step kernel by kernel
   facts
@@ -712,6 +706,13 @@ int4_round() {  # int4_round FILTER: W4A16 tests natively (-k FILTER) beside the
   bench decode-kernels-int4 100 decode-kernels-int4
 }
 
+# r35-r37 ran by hand (NOTES e44 and e45): bench/pdl_chain.py (since removed), Nsight
+# Compute on the GEMV (bench/gemv_profile.py; at 3fbc797 with a --rowwise flag, since
+# removed), the W4A16 tests and sweep with the word-row and TMA-fed forms (both since
+# removed).
+# r38 ran at d06472e; the word-row GEMV was removed after it (NOTES e45 measured).
+# r38 (one H100, issue 23; NOTES e45): gate_up's GEMV a word row at a time: the W4A16
+# tests natively, the int4 engine tests, int4 C (GPTQ, AWQ, bf16), GPTQ's decode step.
 plan_r38() {
   int4_round "8b or graph or gemv or symmetric or default"
 }
