@@ -28,12 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 128256
+from kvscale.kernels.testing import LLAMA_8B_LINEARS
+
+HIDDEN, VOCAB = 4096, 128256
 LAYERS = (  # (name, N, K) of the 8B model's GEMMs: y[M, N] = x[M, K] @ w[N, K].T
-    ("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
-    ("o", HIDDEN, HEADS * HEAD_DIM),
-    ("gate_up", 2 * INTERMEDIATE, HIDDEN),
-    ("down", HIDDEN, INTERMEDIATE),
+    *((name, n, k) for name, k, n in LLAMA_8B_LINEARS),
     ("head", VOCAB, HIDDEN),
 )
 L2_MULTIPLE = 4  # the copies a graph cycles through hold this many times the L2

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import torch
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, GROUP = 4096, 14336, 32, 8, 128, 128
-SHAPES = (  # name, K, N of y[1, N] = x[1, K] @ w[K, N]
-    ("qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM),
-    ("o", HEADS * HEAD_DIM, HIDDEN),
-    ("gate_up", HIDDEN, 2 * INTER),
-    ("down", INTER, HIDDEN),
-)
+from kvscale.kernels.testing import LLAMA_8B_LINEARS
+
+GROUP = 128
 
 
 def main() -> int:
@@ -28,7 +24,7 @@ def main() -> int:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
-    for name, k, n in SHAPES:
+    for name, k, n in LLAMA_8B_LINEARS:
         codes = torch.randint(0, 16, (k, n), generator=gen, device="cuda", dtype=torch.uint8)
         scales = torch.rand(k // GROUP, n, generator=gen, device="cuda") * 0.02
         x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from kvscale.kernels.testing import LLAMA_8B_LINEARS
+
 # Llama-3.1-8B
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
@@ -56,12 +58,7 @@ MIXED_DECODE_ROWS = 250  # workload B's mixed steps: ~250 decode rows and ~490 p
 MIXED_PROMPT = 490
 MAX_REL_ERROR = 2e-2
 # W4A16 GEMM: the 8B model's linear layers as (name, K, N), groups of 128 with zero points
-W4A16_LAYERS = (
-    ("qkv", HIDDEN, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM),
-    ("o", NUM_HEADS * HEAD_DIM, HIDDEN),
-    ("gate_up", HIDDEN, 2 * INTERMEDIATE),
-    ("down", INTERMEDIATE, HIDDEN),
-)
+W4A16_LAYERS = LLAMA_8B_LINEARS
 W4A16_GROUP = 128
 W4A16_DECODE_M = (1, 16)
 W4A16_PREFILL_M = 4096

@@ -11,6 +11,15 @@ import torch
 
 from kvscale.kernels._utils import is_interpreter
 
+# Llama-3.1-8B's linear layers as (name, K, N) of ``y[M, N] = x[M, K] @ w[K, N]``: the
+# shapes the kernel benchmarks and the native GPU tests run
+LLAMA_8B_LINEARS = (
+    ("qkv", 4096, (32 + 2 * 8) * 128),
+    ("o", 32 * 128, 4096),
+    ("gate_up", 4096, 2 * 14336),
+    ("down", 14336, 4096),
+)
+
 
 def default_device() -> torch.device:
     """``cuda`` when available, else ``cpu``."""

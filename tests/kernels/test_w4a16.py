@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvscale.kernels import w4a16
-from kvscale.kernels.testing import kernel_dtypes, on_native_gpu, tolerances
+from kvscale.kernels.testing import LLAMA_8B_LINEARS, kernel_dtypes, on_native_gpu, tolerances
 from kvscale.kernels.w4a16 import (
     dequantize_w4,
     pack_int4_rows,
@@ -19,7 +19,7 @@ from kvscale.kernels.w4a16 import (
 )
 
 gpu_only = pytest.mark.skipif(not on_native_gpu(), reason="needs CUDA without the interpreter")
-SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N)
+SHAPES_8B = [(k, n) for _, k, n in LLAMA_8B_LINEARS]  # (K, N)
 
 
 def _weights(
