@@ -109,6 +109,35 @@ def test_greedy_drafts_follow_greedy_decoding_across_rollbacks(
     assert runner.block_manager.num_free_blocks == runner.block_manager.num_blocks
 
 
+def test_drafts_left_on_the_device_are_those_read_on_the_host(
+    make_runner: Callable[..., DraftRunner],
+) -> None:
+    """``propose_on_device`` queues the same drafts (and q) as ``propose`` reads, says
+    which row holds each request's, and records them as held at its next call."""
+    host, device = make_runner(k=4, num_kv_blocks=64), make_runner(k=4, num_kv_blocks=64)
+    rng = random.Random(1)
+    seqs = [list(p) for p in PROMPTS]
+    for step in range(4):
+        temps = [0.0, 0.8, 0.0, 1.2] if step % 2 else [0.0] * 4
+        reqs = [DraftRequest(i, s, 1 + (i + step) % 4, temps[i], 5 + i) for i, s in enumerate(seqs)]
+        want = host.propose(reqs)
+        got = device.propose_on_device(reqs)
+        assert got.num_tokens.tolist() == want.num_tokens.tolist()
+        assert (got.q_ids is None) == (want.q_ids is None) == (step % 2 == 0)
+        for b, row in enumerate(got.rows.tolist()):
+            d = int(got.num_tokens[b])
+            assert got.tokens[row, :d].tolist() == want.tokens[b, :d].tolist(), (step, b)
+            if want.q_ids is not None:
+                assert got.q_ids[row, :d].tolist() == want.q_ids[b, :d].tolist()
+                assert torch.equal(got.q_probs[row, :d], torch.from_numpy(want.q_probs[b, :d]))
+        for i, s in enumerate(seqs):  # keep some drafts, then another token
+            d = int(want.num_tokens[i])
+            seqs[i] = s + want.tokens[i, : rng.randrange(d + 1)].tolist() + [rng.randrange(3, 999)]
+    for i in range(len(seqs)):  # read back at the next call (here: the query)
+        assert device.held_tokens(i) == host.held_tokens(i)
+    check_pool(device)
+
+
 def test_all_accepted_and_prefix_only_requests(
     make_runner: Callable[..., DraftRunner], greedy: Callable[..., list[list[int]]]
 ) -> None:

@@ -20,6 +20,7 @@ from kvscale.server.engine.speculation import (
     may_draft,
 )
 from kvscale.server.spec_decode.ngram_proposer import NgramProposer
+from tests.draft_helpers import perturbed_copy
 from tests.hf_reference import random_prompts
 
 NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
@@ -281,12 +282,42 @@ def test_inprocess_draft_equal_to_the_target_accepts_everything(llama_ckpt: Path
         str(llama_ckpt), **TIGHT, speculative_method="draft",
         speculative_model=str(llama_ckpt), num_speculative_tokens=3,
     )  # fmt: skip
+    assert llm.engine.core.speculator.on_device  # the drafts stay on the device
     spec = _run_checked(llm, prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
     s = llm.engine.stats()
     assert s.num_preemptions > 0 and s.spec_num_drafts > 20
     assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
     assert s.spec_accepted_per_pos[0] == s.spec_num_drafts
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return perturbed_copy(llama_ckpt, tmp_path_factory.mktemp("noisy") / "draft", 0.2)
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_inprocess_draft_of_another_model_keeps_greedy_tokens(
+    llama_ckpt: Path, noisy_draft: Path, on_device: bool
+) -> None:
+    """A draft that agrees only sometimes (the target with noise, same tokenizer): the
+    target's greedy tokens are unchanged on a mixed batch (penalties included), with the
+    drafts left on the device (the worker places them into the verify step) and read on
+    the host alike."""
+    draft = noisy_draft
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * len(prompts)
+    params[2] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=0.5)
+    base = _run_checked(LLM(str(llama_ckpt), **TIGHT), prompts, params)
+    llm = LLM(
+        str(llama_ckpt), **TIGHT, speculative_method="draft",
+        speculative_model=str(draft), num_speculative_tokens=3,
+    )  # fmt: skip
+    llm.engine.core.speculator.on_device = on_device
+    spec = _run_checked(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    s = llm.engine.stats()
+    assert s.spec_num_drafts > 20 and 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
 
 
 def test_inprocess_draft_sampling_is_reproducible(llama_ckpt: Path) -> None:
@@ -297,6 +328,7 @@ def test_inprocess_draft_sampling_is_reproducible(llama_ckpt: Path) -> None:
     prompts = _prompts()[:4]
     # top_k=8: the target's distribution is the draft's top-8 q (the same model)
     sp = SamplingParams(temperature=1.0, top_k=8, max_tokens=20, ignore_eos=True, seed=11)
+    assert llm.engine.core.speculator.on_device  # q, too, placed on the device
     a = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     b = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], sp)][::-1]
     assert a == b

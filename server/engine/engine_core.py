@@ -117,6 +117,8 @@ class EngineCore:
             )
             if self.speculator.follows_verify:  # the next step's drafts, queued on the device
                 self.worker.set_verify_hook(self.speculator.after_verify)
+            if config.engine.tensor_parallel_size > 1:  # the other ranks get host arrays only
+                self.speculator.on_device = False
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarManager(
             eng.tokenizer or eng.model, self.vocab_size, sorted(self.eos_token_ids)
@@ -273,7 +275,7 @@ class EngineCore:
         scheduled = set(map(id, batch.seqs))
         for seq in self.scheduler.running:  # drafted, then left out by the token budget:
             if seq.draft_tokens and id(seq) not in scheduled:  # no stale drafts for a later
-                seq.draft_tokens, seq.draft_q = [], None  # (maybe pipelined) step
+                seq.draft_tokens, seq.draft_q, seq.draft_src = [], None, -1  # (pipelined) step
         if batch.seqs:
             launched, early = self._launch(batch, None)
             updates += early or []
@@ -306,6 +308,7 @@ class EngineCore:
         at_last = all(s.num_computed_tokens + 1 == s.num_tokens for s in batch.seqs)
         tokens = sum(batch.num_new_tokens)
         graph = self.worker.decode_graph_size(tokens) if at_last else 0
+        spec = self.speculator
         step, seqs = build_step(
             batch,
             self.config.engine.block_size,
@@ -313,8 +316,8 @@ class EngineCore:
             banned,
             self.vocab_size,
             decode_rows=bool(graph) and tokens > len(batch),
+            drafts=spec.device_drafts if spec is not None else None,
         )
-        spec = self.speculator
         if step.sampling.spec_k and spec is not None and spec.follows_verify:
             spec.stage([seqs[r] for r in step.sampling.spec_rows])
         prompt_lp = prompt_logprob_inputs(batch, step)
@@ -381,6 +384,7 @@ class EngineCore:
         self.speculator.record(seq, drafted, accepted)
         seq.draft_tokens = []
         seq.draft_q = None
+        seq.draft_src = -1
         for j, token in enumerate(emitted):
             if j:
                 seq.token_ids.append(token)

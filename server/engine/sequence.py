@@ -56,6 +56,10 @@ class Sequence:
     # None: point masses)
     draft_tokens: list[int] = field(default_factory=list)
     draft_q: tuple[Any, Any] | None = None
+    # drafts left on the device (``Speculator.on_device``): ``draft_tokens`` are
+    # placeholders and the values start at this flat index of the step's device drafts
+    # (-1: the values are in ``draft_tokens``)
+    draft_src: int = -1
     spec_k: int = 0  # drafts to ask for next (adapted to this sequence's acceptance)
     spec_acceptance: float = 1.0  # moving average of accepted / drafted
     spec_pause: int = 0  # steps left without drafting (poor acceptance, empty proposals)

@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscale.server.engine.sequence import Sequence, SequenceStatus
-from kvscale.server.spec_decode.proposer import DraftRequest, Proposer, VerifyFollower
+from kvscale.server.spec_decode.proposer import (
+    DeviceProposal,
+    DeviceProposer,
+    DraftRequest,
+    Proposer,
+    VerifyFollower,
+)
 
 PAUSE_BELOW = 0.15  # moving acceptance rate under which a sequence pauses drafting
 PAUSE_STEPS = 16
@@ -110,6 +116,11 @@ class Speculator:
         self.propose_s = 0.0  # wall time in the proposer's host calls (seconds, cumulative)
         # the proposer drafts right after a verify step, on the device
         self.follows_verify = isinstance(proposer, VerifyFollower)
+        # drafts left on the device for the verify step (an in-process draft model on a
+        # single-rank target: the engine turns it off for tensor parallelism, whose other
+        # ranks receive the step's host arrays only)
+        self.on_device = isinstance(proposer, DeviceProposer)
+        self.device_drafts: DeviceProposal | None = None  # this step's, when on_device
 
     def active(self, num_running: int) -> bool:
         """Whether this step speculates (the batch is small enough)."""
@@ -132,12 +143,17 @@ class Speculator:
 
     def draft(self, running: Iterable[Sequence], max_model_len: int) -> None:
         """Sets ``draft_tokens``/``draft_q`` of each running sequence (empty for those
-        that do not speculate this step), after ``ready`` said this step speculates."""
+        that do not speculate this step), after ``ready`` said this step speculates.
+        With ``on_device``, the values stay on the device: ``draft_tokens`` holds
+        placeholders (0) and ``draft_src`` where the sequence's drafts start in the
+        flattened ``device_drafts.tokens``, which the worker copies into the step."""
+        self.device_drafts = None
         seqs: list[Sequence] = []
         requests: list[DraftRequest] = []
         for seq in running:
             seq.draft_tokens = []
             seq.draft_q = None
+            seq.draft_src = -1
             k = may_draft(seq, max_model_len)
             if k <= 0:
                 continue
@@ -151,18 +167,35 @@ class Speculator:
         if not requests:
             return
         t0 = time.perf_counter()
+        if self.on_device:
+            dp = self.device_drafts = self.proposer.propose_on_device(requests)  # type: ignore[attr-defined]
+            self.propose_s += time.perf_counter() - t0
+            width = dp.tokens.shape[1]
+            for seq, d, row in zip(seqs, dp.num_tokens.tolist(), dp.rows.tolist(), strict=True):
+                if self._drafted(seq, d):
+                    seq.draft_tokens = [0] * d
+                    seq.draft_src = row * width
+            return
         out = self.proposer.propose(requests)
         self.propose_s += time.perf_counter() - t0
         for i, seq in enumerate(seqs):
             d = int(out.num_tokens[i])
-            if d <= 0:
-                seq.spec_misses += 1
-                seq.spec_pause = min(MISS_PAUSE_MAX, 1 << min(seq.spec_misses - 1, 30))
+            if not self._drafted(seq, d):
                 continue
-            seq.spec_misses = 0
             seq.draft_tokens = out.tokens[i, :d].tolist()
             if out.q_ids is not None and out.q_probs is not None:
                 seq.draft_q = (out.q_ids[i, :d], out.q_probs[i, :d])
+
+    @staticmethod
+    def _drafted(seq: Sequence, d: int) -> bool:
+        """Whether ``seq`` got drafts (``d`` > 0); an empty proposal pauses it for 1, 2,
+        4, ... steps, doubling with each one in a row."""
+        if d <= 0:
+            seq.spec_misses += 1
+            seq.spec_pause = min(MISS_PAUSE_MAX, 1 << min(seq.spec_misses - 1, 30))
+            return False
+        seq.spec_misses = 0
+        return True
 
     def stage(self, verifying: list[Sequence]) -> None:
         """Before a verify step is launched (``follows_verify`` only): its verify rows'

@@ -18,6 +18,7 @@ import numpy as np
 from kvscale.server.engine.scheduler import ScheduledBatch
 from kvscale.server.engine.sequence import Sequence
 from kvscale.server.layers.sampler import row_seed
+from kvscale.server.spec_decode.proposer import DeviceProposal
 from kvscale.server.worker.step import SamplingPlan, StepInput, as_decode_rows
 
 
@@ -53,6 +54,8 @@ def plan_step(
     logits_idx: list[int] = []
     width = 1
     num_draft: list[int] = []  # per sampling row: drafted tokens it verifies
+    draft_dst: list[int] = []  # drafts still on the device: where they go in ``ids``
+    draft_src: list[int] = []  # and where they come from (``seq.draft_src``)
     for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
         start = seq.num_computed_tokens
         end = start + n
@@ -60,6 +63,9 @@ def plan_step(
         drafts = max(0, end - seq.num_tokens)  # the drafts follow the sequence's tokens
         ids.extend(seq.token_ids[start : end - drafts])
         if drafts:
+            if seq.draft_src >= 0:
+                draft_dst.extend(range(len(ids), len(ids) + drafts))
+                draft_src.extend(range(seq.draft_src, seq.draft_src + drafts))
             ids.extend(seq.draft_tokens[:drafts])
         if n == 1:
             positions.append(start)
@@ -92,6 +98,9 @@ def plan_step(
         "tables": tables,
         "logits_idx": np.array(logits_idx, dtype=np.int64),
     }
+    if draft_dst:  # token order: the same positions after ``as_decode_rows``
+        arrays["draft_dst"] = np.array(draft_dst, dtype=np.int64)
+        arrays["draft_src"] = np.array(draft_src, dtype=np.int64)
     num_rows = as_decode_rows(arrays, n_rows, pad_to) if decode_rows else n_rows
     return StepPlan(
         arrays=arrays,
@@ -119,20 +128,29 @@ def build_step(
     banned: dict[int, list[int]],
     vocab_size: int,
     decode_rows: bool = False,
+    drafts: DeviceProposal | None = None,
 ) -> tuple[StepInput, list[Sequence]]:
     """The step of ``batch`` and its sampling sequences (in sampling-row order).
     ``graph_size`` > 0: a decode step padded to that captured graph's rows;
     ``decode_rows``: laid out one row per new token (see ``plan_step``).
-    ``banned[seq_id]``: tokens that sequence may not sample now (EOS before min_tokens)."""
+    ``banned[seq_id]``: tokens that sequence may not sample now (EOS before min_tokens).
+    ``drafts``: the drafts still on the device that sequences' ``draft_src`` point into
+    (``Speculator.on_device``); the step carries them for ``Worker._place_drafts``."""
     plan = plan_step(batch, block_size, graph_size, decode_rows)
     seqs = [batch.seqs[b] for b in plan.sample_rows]
     sampling = sampling_inputs(seqs, banned, vocab_size, plan.arrays)
     if any(plan.num_draft):
-        sampling.spec_k, sampling.spec_q = verify_inputs(seqs, plan.num_draft, plan.arrays)
+        q_width = 0
+        if drafts is not None and drafts.q_ids is not None:
+            q_width = int(drafts.q_ids.shape[-1])
+        sampling.spec_k, sampling.spec_q = verify_inputs(seqs, plan.num_draft, plan.arrays, q_width)
         sampling.spec_rows = plan.arrays["spec_rows"].tolist()
     step = StepInput(
         plan.arrays, plan.num_rows, plan.max_query_len, plan.max_seq_len, graph_size, sampling
     )
+    if "draft_src" in plan.arrays:
+        assert drafts is not None, "sequences point into device drafts the step was not given"
+        step.drafts = drafts
     return step, seqs
 
 
@@ -169,7 +187,10 @@ def prompt_logprob_inputs(batch: ScheduledBatch, step: StepInput) -> list[tuple[
 
 
 def verify_inputs(
-    seqs: list[Sequence], num_draft: list[int], arrays: dict[str, np.ndarray]
+    seqs: list[Sequence],
+    num_draft: list[int],
+    arrays: dict[str, np.ndarray],
+    device_q_width: int = 0,
 ) -> tuple[int, bool]:
     """Adds the arrays of a step's verify rows (sampling rows with drafts) to ``arrays``;
     returns ``(K, whether drafts carry distributions)``. For ``S`` sampling rows, ``N``
@@ -181,7 +202,11 @@ def verify_inputs(
       the logits rows of their positions (padded with the last one);
     - ``spec_draft [N, K] int64`` (-1 padded), ``spec_num_draft [N] int64``;
     - with distributions: ``spec_q_ids [N, K, M] int64``, ``spec_q_probs [N, K, M]
-      float32`` (point masses for drafts without one)."""
+      float32`` (point masses for drafts without one);
+    - drafts still on the device (``seq.draft_src`` >= 0): placeholders above, and
+      ``draft_spec_dst``/``draft_spec_src [D] int64``: the flat index in ``spec_draft``
+      (and row of ``spec_q_* [N * K, M]``) of each such draft, and its flat index in the
+      device drafts; ``device_q_width`` > 0: those carry distributions of that width."""
     ends = np.cumsum(np.asarray(num_draft, dtype=np.int64) + 1)
     arrays["spec_last"] = ends - 1
     rows = [r for r, d in enumerate(num_draft) if d]
@@ -191,8 +216,10 @@ def verify_inputs(
     draft = np.full((n, k), -1, dtype=np.int64)
     nd = np.zeros(n, dtype=np.int64)
     qs = [seqs[r].draft_q for r in rows]
-    with_q = any(q is not None for q in qs)
-    m = max((q[0].shape[1] for q in qs if q is not None), default=1)
+    with_q = device_q_width > 0 or any(q is not None for q in qs)
+    m = max([device_q_width, *(q[0].shape[1] for q in qs if q is not None)], default=1) or 1
+    spec_dst: list[int] = []
+    spec_src: list[int] = []
     q_ids = np.zeros((n, k, m), dtype=np.int64)
     q_probs = np.zeros((n, k, m), dtype=np.float32)
     for i, r in enumerate(rows):
@@ -201,6 +228,10 @@ def verify_inputs(
         idx[i] = first + np.minimum(np.arange(k + 1), d)
         draft[i, :d] = seqs[r].draft_tokens[:d]
         nd[i] = d
+        src = seqs[r].draft_src
+        if src >= 0:
+            spec_dst.extend(range(i * k, i * k + d))
+            spec_src.extend(range(src, src + d))
         q = qs[i]
         if q is None:
             q_ids[i, :d, 0] = draft[i, :d]
@@ -210,6 +241,9 @@ def verify_inputs(
             q_probs[i, :d, : q[1].shape[1]] = q[1][:d]
     arrays.update(spec_rows=np.asarray(rows, dtype=np.int64), spec_idx=idx, spec_draft=draft)
     arrays["spec_num_draft"] = nd
+    if spec_dst:
+        arrays["draft_spec_dst"] = np.array(spec_dst, dtype=np.int64)
+        arrays["draft_spec_src"] = np.array(spec_src, dtype=np.int64)
     if with_q:
         arrays["spec_q_ids"], arrays["spec_q_probs"] = q_ids, q_probs
     return k, with_q

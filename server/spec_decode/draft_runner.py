@@ -16,8 +16,10 @@ renormalised, and report exactly those ``top_m`` ids and probabilities as q, so
 verification stays exact. Each draw inverts the CDF at one uniform: a seeded request's
 is a hash of ``(seed, len(token_ids), j)`` (the same request drafts the same tokens),
 the others' come from the runner's own seeded stream. Draft ``j``'s token is fed to step
-``j + 1`` on the device (the worker's placeholder mechanism), so the GPU path syncs once
-per call, when the drafts are read.
+``j + 1`` on the device (the worker's placeholder mechanism), so the GPU path syncs at
+most once per call, when the drafts are read: ``propose`` reads them at once;
+``propose_on_device`` (the engine's in-process path) leaves them on the device for the
+target's verify step and reads them at the next call, when they are long done.
 
 On a GPU a step of at most ``DRAFT_GRAPH_MAX_BATCH`` new tokens replays a decode CUDA
 graph, laid out one row per token (``as_decode_rows``): the one-token decode steps and,
@@ -39,7 +41,7 @@ from kvscale.server.config import EngineConfig, ModelConfig, ResolvedConfig
 from kvscale.server.engine.block_manager import BlockManager
 from kvscale.server.layers.sampler import row_seed
 from kvscale.server.spec_decode.prefix import as_token_list, held_prefix_len
-from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
+from kvscale.server.spec_decode.proposer import DeviceProposal, DraftRequest, Proposal
 from kvscale.server.spec_decode.tokenizer_check import check_same_tokenizer
 from kvscale.server.worker.step import StepInput, as_decode_rows
 from kvscale.server.worker.worker import Worker
@@ -233,8 +235,10 @@ class DraftRunner:
         self._rng = np.random.default_rng(config.engine.seed)
         self._calls = 0
         self._warned: set[str] = set()
-        # one call's drafts on the device: tokens [P, K], q ids/probs [P, K, M]
+        # one call's drafts on the device: tokens [P, K], q ids/probs [P, K, M], and its
+        # rows, until ``_settle`` reads them back
         self._tokens = self._q_ids = self._q_probs = torch.empty(0)
+        self._pending: list[_Row] = []
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -290,10 +294,38 @@ class DraftRunner:
         """Up to ``min(k, max_k)`` drafts per request; q for the whole batch when any
         request samples (greedy rows as point masses), else None."""
         with torch.inference_mode():
-            return self._propose(requests)
+            dp = self._enqueue(requests)
+            host = self._settle()
+        kmax = max((r.k for r in requests), default=0)
+        out = Proposal.empty(len(requests), kmax)
+        if dp.q_ids is not None:
+            out.q_ids = np.zeros((len(requests), kmax, self.top_m), dtype=np.int32)
+            out.q_probs = np.zeros((len(requests), kmax, self.top_m), dtype=np.float32)
+        if host is None:
+            return out
+        tokens, q_ids, q_probs = host
+        for b, i in enumerate(dp.rows.tolist()):
+            if i < 0:
+                continue
+            d = int(dp.num_tokens[b])
+            out.tokens[b, :d] = tokens[i, :d]
+            out.num_tokens[b] = d
+            if q_ids is not None and q_probs is not None:
+                assert out.q_ids is not None and out.q_probs is not None
+                out.q_ids[b, :d] = q_ids[i, :d]
+                out.q_probs[b, :d] = q_probs[i, :d]
+        return out
+
+    def propose_on_device(self, requests: list[DraftRequest]) -> DeviceProposal:
+        """``propose``'s drafts left on the device (``DeviceProposer``): the forwards are
+        queued and the call returns without a sync; the runner reads its own drafts back
+        at its next call, when the GPU has long finished them."""
+        with torch.inference_mode():
+            return self._enqueue(requests)
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Frees the blocks and state of these sequences (unknown ids are ignored)."""
+        self._settle()
         for sid in seq_ids:
             seq = self._seqs.pop(sid, None)
             if seq is not None:
@@ -317,6 +349,7 @@ class DraftRunner:
 
     def held_tokens(self, seq_id: int) -> list[int] | None:
         """The tokens it holds for a sequence (accepted + its drafts), None if none."""
+        self._settle()
         seq = self._seqs.get(seq_id)
         return None if seq is None else list(seq.tokens)
 
@@ -391,47 +424,54 @@ class DraftRunner:
         return k
 
     # ---- running -----------------------------------------------------------------------
-    def _propose(self, requests: list[DraftRequest]) -> Proposal:
+    def _enqueue(self, requests: list[DraftRequest]) -> DeviceProposal:
+        """Plans the call (after reading the last call's drafts back) and queues its
+        forwards and draws; the drafts stay on the device until ``_settle``."""
+        self._settle()
         b = len(requests)
-        kmax = max((r.k for r in requests), default=0)
-        out = Proposal.empty(b, kmax)
         want_q = any(r.temperature > 0 for r in requests)
-        if want_q:
-            out.q_ids = np.zeros((b, kmax, self.top_m), dtype=np.int32)
-            out.q_probs = np.zeros((b, kmax, self.top_m), dtype=np.float32)
         rows = self._plan(requests)
-        if not rows:
-            return out
-        p, k = len(rows), max(r.k for r in rows)
+        num = np.zeros(b, dtype=np.int64)
+        where = np.full(b, -1, dtype=np.int64)
+        p, k = len(rows), max((r.k for r in rows), default=0)
         dev = self.device
-        self._tokens = torch.zeros(p, k, dtype=torch.long, device=dev)
         m = self.top_m if want_q else 0
+        self._tokens = torch.zeros(p, k, dtype=torch.long, device=dev)
         self._q_ids = torch.zeros(p, k, m, dtype=torch.long, device=dev)
         self._q_probs = torch.zeros(p, k, m, dtype=torch.float32, device=dev)
-        self._catch_up(rows, want_q)
-        batches: dict[tuple[int, ...], _DecodeRows] = {}
-        for j in range(1, k):
-            active = [i for i, r in enumerate(rows) if r.k > j]
-            for lo in range(0, len(active), self.max_step_tokens):
-                part = tuple(active[lo : lo + self.max_step_tokens])
-                if part not in batches:  # the same rows step after step: built once
-                    batches[part] = _DecodeRows.of(rows, part)
-                self._decode(batches[part], j, want_q)
+        if rows:
+            self._catch_up(rows, want_q)
+            batches: dict[tuple[int, ...], _DecodeRows] = {}
+            for j in range(1, k):
+                active = [i for i, r in enumerate(rows) if r.k > j]
+                for lo in range(0, len(active), self.max_step_tokens):
+                    part = tuple(active[lo : lo + self.max_step_tokens])
+                    if part not in batches:  # the same rows step after step: built once
+                        batches[part] = _DecodeRows.of(rows, part)
+                    self._decode(batches[part], j, want_q)
+            for i, r in enumerate(rows):
+                num[r.row], where[r.row] = r.k, i
+            self._pending = rows
+        q = (self._q_ids, self._q_probs) if want_q else (None, None)
+        return DeviceProposal(num, where, self._tokens, *q)
+
+    def _settle(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None:
+        """Reads the last call's drafts back (a sync, unless they were read already) and
+        records them as held: each drafting sequence then holds its tokens and drafts,
+        with K/V for all but the last draft. Returns them (tokens ``[P, K]`` int64, q ids
+        int32 and probs ``[P, K, M]`` or None), None when that call drafted nothing."""
+        rows, self._pending = self._pending, []
+        if not rows:
+            return None
         tokens = self._tokens.cpu().numpy()
+        want_q = self._q_ids.shape[-1] > 0
         q_ids = self._q_ids.to(torch.int32).cpu().numpy() if want_q else None
         q_probs = self._q_probs.cpu().numpy() if want_q else None
         for i, r in enumerate(rows):
-            drafts = tokens[i, : r.k]
-            out.tokens[r.row, : r.k] = drafts
-            out.num_tokens[r.row] = r.k
-            if q_ids is not None and q_probs is not None:
-                assert out.q_ids is not None and out.q_probs is not None
-                out.q_ids[r.row, : r.k] = q_ids[i, : r.k]
-                out.q_probs[r.row, : r.k] = q_probs[i, : r.k]
             seq = r.seq
-            seq.tokens.extend(drafts.tolist())
+            seq.tokens.extend(tokens[i, : r.k].tolist())
             seq.computed = r.n + r.k - 1
-        return out
+        return tokens, q_ids, q_probs
 
     def _catch_up(self, rows: list[_Row], want_q: bool) -> None:
         """Feeds every row's uncomputed tokens (chunks of at most ``max_step_tokens``),

@@ -49,6 +49,25 @@ class Proposal:
         return Proposal(np.full((batch, k), -1, np.int64), np.zeros(batch, np.int64))
 
 
+@dataclass
+class DeviceProposal:
+    """Drafts still on the device, as an in-process draft model leaves them before any
+    sync: the host knows how many each request got, not which tokens. For ``B``
+    requests, ``P`` rows that drafted and ``K`` = their most drafts:
+
+    - ``num_tokens [B]`` int64 (host), ``rows [B]`` int64 (host): each request's row of
+      the device tensors (-1: no drafts);
+    - ``tokens [P, K]`` int64 (device; past a row's count: padding, never read);
+    - ``q_ids [P, K, M]`` int64 / ``q_probs [P, K, M]`` float32 (device), or None: point
+      masses (greedy drafts)."""
+
+    num_tokens: np.ndarray
+    rows: np.ndarray
+    tokens: Any
+    q_ids: Any = None
+    q_probs: Any = None
+
+
 class Proposer(Protocol):
     """N-gram lookup, or a draft model in process or in a sidecar."""
 
@@ -63,6 +82,18 @@ class Proposer(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeviceProposer(Protocol):
+    """What a proposer on the target's device adds so that the target never waits for
+    the drafts on the host: the engine builds the verify step around placeholders and
+    the worker copies the drafts into its inputs on the device, in stream order after
+    the draft model's work (``Worker._place_drafts``)."""
+
+    def propose_on_device(self, requests: list[DraftRequest]) -> DeviceProposal:
+        """``propose``'s drafts, left on the device; returns without waiting for them."""
+        ...
 
 
 @runtime_checkable

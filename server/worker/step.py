@@ -25,6 +25,9 @@ for a CUDA graph of ``graph_size`` rows: id 0, position 0, slot -1, length 1):
 - speculative verify rows (``engine.step_inputs.verify_inputs``): ``logits_idx`` then
   lists ``1 + d`` rows for a sampling row with ``d`` drafts, and ``spec_*`` arrays say
   which.
+- drafts still on the device (an in-process draft model's): ``draft_dst``/``draft_src [D]
+  int64``: where in ``ids`` each goes and its flat index in ``StepInput.drafts.tokens``;
+  ``draft_spec_dst``/``draft_spec_src`` likewise for the verify arrays.
 - prompt logprobs: optional ``plp_idx [P] int64`` (token rows whose logits score a
   prompt token) and ``plp_ids [P] int64`` (that token).
 """
@@ -32,6 +35,7 @@ for a CUDA graph of ``graph_size`` rows: id 0, position 0, slot -1, length 1):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,6 +72,9 @@ class StepInput:
     max_seq_len: int  # longest sequence in the cache after the step
     graph_size: int = 0  # 0: eager; else the captured decode graph to replay (rows padded to it)
     sampling: SamplingPlan = field(default_factory=lambda: SamplingPlan([], []))
+    # drafts still on the device (``spec_decode.proposer.DeviceProposal``), which the
+    # ``draft_*`` arrays place into the step's inputs: a single rank's steps only
+    drafts: Any = None
 
     @property
     def num_tokens(self) -> int:

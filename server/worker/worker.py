@@ -430,6 +430,8 @@ class Worker:
 
     def _enqueue_forward(self, step: StepInput) -> Forwarded:
         dev = to_device(step.arrays, self.device)
+        if step.drafts is not None:
+            _place_drafts(step.drafts, dev)
         prompt_lp = None
         run = self.dispatcher.dispatch(step.num_tokens, step.graph_size)
         if run.kind == "piecewise" and step.sampling.prompt_logprobs is not None:
@@ -624,3 +626,22 @@ class Worker:
         counts = torch.zeros(n, vocab + 1, dtype=torch.int32, device=self.device)
         counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.int32))
         return prompt_mask[:, :vocab], counts[:, :vocab]
+
+
+def _place_drafts(drafts: Any, dev: dict[str, torch.Tensor]) -> None:
+    """Copies drafts still on the device (``DeviceProposal``: an in-process draft
+    model's, queued before this step on the same stream) into the step's inputs in
+    place of their placeholders: the fed ids, the verify rows' drafts and their q."""
+    flat = drafts.tokens.reshape(-1)
+    if "draft_dst" in dev:
+        dev["ids"][dev["draft_dst"]] = flat[dev["draft_src"]]
+    if "draft_spec_dst" not in dev:
+        return
+    dst, src = dev["draft_spec_dst"], dev["draft_spec_src"]
+    dev["spec_draft"].view(-1)[dst] = flat[src]
+    if drafts.q_ids is not None and "spec_q_ids" in dev:
+        m = drafts.q_ids.shape[-1]
+        width = dev["spec_q_ids"].shape[-1]
+        q_ids, q_probs = dev["spec_q_ids"].view(-1, width), dev["spec_q_probs"].view(-1, width)
+        q_ids[dst, :m] = drafts.q_ids.reshape(-1, m)[src]
+        q_probs[dst, :m] = drafts.q_probs.reshape(-1, m)[src]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvscale.server import LLM, SamplingParams
+from tests.draft_helpers import perturbed_copy
 from tests.hf_reference import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -36,8 +37,10 @@ def _release_gpu_memory() -> Iterator[None]:
     torch.cuda.empty_cache()
 
 
-def _tokens(path: Path, **kw: object) -> tuple[list[list[int]], object]:
+def _tokens(path: Path, on_device: bool = True, **kw: object) -> tuple[list[list[int]], object]:
     llm = LLM(str(path), device="cuda", dtype="float32", **kw)
+    if llm.engine.core.speculator is not None:
+        llm.engine.core.speculator.on_device &= on_device
     worker = llm.engine.worker
     assert worker.graphs is not None  # decode graphs run the steps without drafts
     forward, replayed_verify = worker.forward, []
@@ -79,6 +82,24 @@ def test_ngram_greedy_identical_on_cuda(
         assert stats.spec_num_drafts > 0
         assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
         assert stats.ngram_ready_hits > 0.5 * stats.spec_num_drafts
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_inprocess_draft_greedy_identical_on_cuda(
+    llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory, on_device: bool
+) -> None:
+    """The draft model in process, agreeing only sometimes: greedy tokens identical to no
+    speculation, under chunked prefill and preemption, with its drafts left on the GPU
+    for the verify step (the default) and read on the host alike."""
+    draft = perturbed_copy(llama_ckpt, tmp_path_factory.mktemp("noisy") / "draft", 0.2)
+    ref, _ = _tokens(llama_ckpt, **STRESS)
+    spec = dict(speculative_method="draft", speculative_model=str(draft), num_speculative_tokens=3)
+    got, stats = _tokens(
+        llama_ckpt, **STRESS, **spec, speculative_disable_by_batch_size=64, on_device=on_device
+    )
+    assert got == ref
+    assert stats.num_preemptions > 0 and stats.spec_num_drafts > 0
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
 def test_device_ngram_proposals_for_256_sequences() -> None:
