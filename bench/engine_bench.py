@@ -129,6 +129,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
 TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce")  # two GPUs; run by name only
+NAMED_PHASES = ("spec-device",)  # comparisons of one change, run by name only (not in all)
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
@@ -1736,7 +1737,8 @@ def main(argv: list[str] | None = None) -> int:
         "--phases",
         default="all",
         help=f"comma list of {', '.join(PHASES)}; or all; ckpt only writes the checkpoint; "
-        f"on two GPUs also {', '.join(TP_PHASES)} (not in all)",
+        f"on two GPUs also {', '.join(TP_PHASES)} (not in all); by name only: "
+        f"{', '.join(NAMED_PHASES)}",
     )
     ap.add_argument("--force", action="store_true", help="rerun phases that have results")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
@@ -1746,9 +1748,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     phases = PHASES if args.phases == "all" else tuple(p for p in args.phases.split(",") if p)
-    unknown = set(phases) - {*PHASES, *TP_PHASES, "ckpt"}
+    unknown = set(phases) - {*PHASES, *TP_PHASES, *NAMED_PHASES, "ckpt"}
     if unknown:
-        ap.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES + TP_PHASES)}")
+        known = ", ".join(PHASES + TP_PHASES + NAMED_PHASES)
+        ap.error(f"unknown phases {sorted(unknown)}; known: {known}")
     ckpt = Path(args.ckpt)
     conc = [int(c) for c in args.concurrency.split(",")]
     if phases:
@@ -1791,6 +1794,9 @@ def main(argv: list[str] | None = None) -> int:
         "int4": lambda: phase_int4(ckpt, out),
         "spec": lambda: spec_bench.phase_spec(ckpt, out, lambda **kw: _llm(ckpt, **kw), _close),
         "spec-piecewise": lambda: spec_bench.phase_spec_piecewise(
+            ckpt, out, lambda **kw: _llm(ckpt, **kw), _close
+        ),
+        "spec-device": lambda: spec_bench.phase_spec_device(
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close
         ),
     }

@@ -9,9 +9,14 @@ request of ``spec_bench.OUT_LEN`` tokens is decoded twice:
    (enqueueing the forward pass and the sampling), the wait for the step's tokens, and
    what follows (emitting the tokens); the GPU idles for everything but the wait and
    what the launch overlaps, so a step's cost beyond the forward pass is visible here;
-2. under cProfile: the host functions that take the time (top ``--top`` by own time).
+2. under cProfile: the host functions that take the time (top ``--top`` by own time);
+3. with ``--trace DIR``: ``--trace-steps`` steps under ``torch.profiler``, each phase of
+   step 1 a labelled range, written as a Chrome trace (``DIR/<config>.json``) and
+   summarised: per phase, its wall time and the GPU's busy time inside it (the union of
+   kernel intervals), so the GPU's idle time shows where the host holds it up.
 
     python bench/profile_spec.py [--ckpt /tmp/llama31-8b-random] [--configs echo-ngram,ngram]
+        [--trace DIR --trace-steps 12]
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 def _timers(core: Any) -> tuple[dict[str, float], Any]:
     """Wraps the core's proposer, scheduler and worker calls with timers (ms, summed per
     step into the returned dict); returns it and an undo function."""
+    from torch.profiler import record_function
+
     from kvscale.server.worker.worker import PendingStep
 
     cur: dict[str, float] = {}
@@ -51,7 +58,8 @@ def _timers(core: Any) -> tuple[dict[str, float], Any]:
         def timed(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return fn(*a, **kw)
+                with record_function(f"phase:{key}"):
+                    return fn(*a, **kw)
             finally:
                 cur[key] = cur.get(key, 0.0) + 1e3 * (time.perf_counter() - t0)
 
@@ -67,7 +75,8 @@ def _timers(core: Any) -> tuple[dict[str, float], Any]:
 
     def timed_result(self: Any) -> Any:
         t0 = time.perf_counter()
-        out = result(self)
+        with record_function("phase:wait"):
+            out = result(self)
         cur["wait"] = cur.get("wait", 0.0) + 1e3 * (time.perf_counter() - t0)
         return out
 
@@ -122,11 +131,97 @@ def profile_config(llm: Any, repeat: bool, top: int) -> dict[str, Any]:
     return {"steps": len(steps), "ms_per_step": mean, "cprofile": buf.getvalue()}
 
 
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint union of ``(start, end)`` spans."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def phase_busy(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """From a Chrome trace's events: per ``phase:*`` range name, the summed wall time
+    (us), the GPU's busy time inside those ranges (the union of kernel, copy and memset
+    intervals, clipped to each range) and how many ranges there were. Nested ranges
+    count in each of their names."""
+    gpu = _merged(
+        [
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        ]
+    )
+    out: dict[str, dict[str, float]] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or e.get("cat") != "user_annotation":
+            continue
+        if not name.startswith("phase:"):
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        busy = sum(max(0.0, min(b, y) - max(a, x)) for x, y in gpu if x < b and y > a)
+        zero = {"wall_us": 0.0, "gpu_busy_us": 0.0, "n": 0}
+        row = out.setdefault(name.removeprefix("phase:"), zero)
+        row["wall_us"] += b - a
+        row["gpu_busy_us"] += busy
+        row["n"] += 1
+    return out
+
+
+def trace_config(llm: Any, repeat: bool, steps: int, path: Path) -> str:
+    """``steps`` decode steps of one request under ``torch.profiler`` (phases labelled),
+    written to ``path`` as a Chrome trace; returns the per-phase summary."""
+    import json
+
+    from spec_bench import OUT_LEN, _prompts
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from kvscale.server import SamplingParams
+
+    eng = llm.engine
+    prompt = _prompts(1, repeat)
+    sp = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
+    _, restore = _timers(eng.core)
+    finished = False
+    try:
+        eng.queue("trace", prompt[0], eng.prepare(prompt[0], sp), sp)
+        for _ in range(3):  # the prefill and the first decodes, outside the trace
+            finished |= any(o.finished for o in eng.step())
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                if finished:
+                    break
+                with record_function("phase:step"):
+                    finished |= any(o.finished for o in eng.step())
+        for _ in range(4 * OUT_LEN):  # the rest of the request, untraced
+            if finished:
+                break
+            finished |= any(o.finished for o in eng.step())
+    finally:
+        restore()
+    prof.export_chrome_trace(str(path))
+    rows = phase_busy(json.loads(path.read_text())["traceEvents"])
+    lines = [f"trace {path.name}: per phase, summed over the traced steps (ms)"]
+    for name, r in sorted(rows.items(), key=lambda kv: -kv[1]["wall_us"]):
+        idle = r["wall_us"] - r["gpu_busy_us"]
+        lines.append(
+            f"  {name:10s} x{r['n']:3d}: wall {r['wall_us'] / 1e3:8.3f}, GPU busy "
+            f"{r['gpu_busy_us'] / 1e3:8.3f}, GPU idle {idle / 1e3:8.3f}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/llama31-8b-random")
     ap.add_argument("--configs", default="echo-none,echo-ngram,none,ngram,draft")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--trace", help="also write and summarise a torch.profiler trace here")
+    ap.add_argument("--trace-steps", type=int, default=12)
+    ap.add_argument("--skip-timed", action="store_true", help="the trace only")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
@@ -142,15 +237,21 @@ def main() -> None:
             kw = {**kw, "speculative_model": str(draft)}
         llm = _llm(ckpt, num_speculative_tokens=K, gpu_memory_utilization=0.75, **kw)
         (make_echo if target == "echo" else damp_deep_layers)(llm)
-        res = profile_config(llm, repeat=True, top=args.top)
-        m = res["ms_per_step"]
-        print(
-            f"==== {name} on the {target} target, batch 1, {res['steps']} steps: per step "
-            + ", ".join(f"{k} {v:.3f}" for k, v in m.items())
-            + f" ms; {m['step'] / max(m['tokens'], 1e-9):.3f} ms a token",
-            flush=True,
-        )
-        print(res["cprofile"], flush=True)
+        if not args.skip_timed:
+            res = profile_config(llm, repeat=True, top=args.top)
+            m = res["ms_per_step"]
+            print(
+                f"==== {name} on the {target} target, batch 1, {res['steps']} steps: per "
+                + "step "
+                + ", ".join(f"{k} {v:.3f}" for k, v in m.items())
+                + f" ms; {m['step'] / max(m['tokens'], 1e-9):.3f} ms a token",
+                flush=True,
+            )
+            print(res["cprofile"], flush=True)
+        if args.trace:
+            out = Path(args.trace)
+            out.mkdir(parents=True, exist_ok=True)
+            print(trace_config(llm, True, args.trace_steps, out / f"{name}.json"), flush=True)
         _close(llm)
         del llm
         gc.collect()

@@ -215,6 +215,43 @@ def phase_spec_piecewise(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -
     return res
 
 
+def host_drafts(llm: Any) -> None:
+    """The damped target with its in-process draft's drafts read on the host before each
+    verify step (the path before ``Speculator.on_device``)."""
+    damp_deep_layers(llm)
+    llm.engine.core.speculator.on_device = False
+
+
+def phase_spec_device(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str, Any]:
+    """The in-process draft pair with its drafts left on the GPU for the verify step (the
+    default) against them read on the host first, at batch 1 and 16, each engine twice in
+    alternation (``none`` first and last), on one machine."""
+    draft = write_draft_checkpoint(ckpt, ckpt.parent / f"{ckpt.name}-draft{DRAFT_LAYERS}")
+    pair = dict(speculative_method="draft", speculative_model=str(draft))
+    order = [
+        ("none", damp_deep_layers, {}),
+        ("draft-inprocess", damp_deep_layers, pair),
+        ("draft-inprocess-host", host_drafts, pair),
+        ("draft-inprocess", damp_deep_layers, pair),
+        ("draft-inprocess-host", host_drafts, pair),
+        ("none", damp_deep_layers, {}),
+    ]
+    res: dict[str, Any] = {"k": K, "draft_layers": DRAFT_LAYERS, "deep_scale": DEEP_SCALE}
+    for name, prepare, kw in order:
+        try:
+            llm = make_llm(num_speculative_tokens=K, gpu_memory_utilization=0.75, **kw)
+            prepare(llm)
+            got = {f"b{b}": measure(llm, b) for b in BATCHES}
+            close(llm)
+            del llm  # before the next engine sizes its pool from the memory left
+            _release_compiled()
+        except Exception as e:  # the bench reports and goes on
+            got = {"error": f"{type(e).__name__}: {e}"}
+        res.setdefault(name, []).append(got)
+        print(f"[spec-device] {name}: {got}", flush=True)
+    return res
+
+
 def phase_spec(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str, Any]:
     """Every configuration at batch 1 and 16; ``make_llm(**kw)``/``close(llm)`` build and
     free an engine on the 8B-shaped checkpoint (engine_bench's)."""

@@ -343,6 +343,31 @@ def test_profile_step_records_the_graph_each_launch_replays() -> None:
     assert ps._fmt({"launch_ms": 1.234, "graph": "eager"}) == "launch_ms 1.23, graph eager"
 
 
+def test_profile_spec_phase_busy_clips_the_gpu_union_to_each_range() -> None:
+    ps = load_bench("profile_spec")
+
+    def x(cat: str, name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        x("user_annotation", "phase:step", 0, 100),
+        x("user_annotation", "phase:propose", 0, 40),
+        x("user_annotation", "phase:wait", 60, 40),
+        x("user_annotation", "other", 0, 100),  # not a phase
+        x("gpu_user_annotation", "phase:step", 0, 100),  # the GPU's copy of a range
+        x("kernel", "k1", 10, 20),  # 10-30
+        x("kernel", "k2", 20, 20),  # 20-40: overlaps k1, union 10-40
+        x("gpu_memcpy", "c", 50, 20),  # 50-70: half inside wait
+        x("kernel", "k3", 90, 30),  # 90-120: 10 inside step and wait
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0},
+    ]
+    rows = ps.phase_busy(events)
+    assert set(rows) == {"step", "propose", "wait"}
+    assert rows["propose"] == {"wall_us": 40, "gpu_busy_us": 30, "n": 1}
+    assert rows["wait"] == {"wall_us": 40, "gpu_busy_us": 20, "n": 1}
+    assert rows["step"] == {"wall_us": 100, "gpu_busy_us": 60, "n": 1}
+
+
 def test_int4_floor_is_about_a_third_of_bf16s() -> None:
     cfg = eb.LLAMA_31_8B
     p = eb.param_counts(cfg)
