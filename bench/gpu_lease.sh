@@ -734,6 +734,21 @@ plan_r40() {
   int4_round "gated or gemv or graph or 8b"
 }
 
+# r43 (one H100, issues 23 and 18; NOTES e47): the in-process draft's drafts left on the
+# GPU for the verify step: the speculative and draft GPU tests, the draft pair with its
+# drafts on the device and on the host in alternation (spec-device), where a batch-1 step
+# goes now (profile_spec's trace).
+plan_r43() {
+  facts
+  (export CUDA_VISIBLE_DEVICES=0; ckpt_write 300) &
+  step tests-spec 300 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py
+  wait
+  step spec-device 600 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" \
+    --phases spec-device
+  step profile-spec 300 python3 bench/profile_spec.py --ckpt "$CKPT" --configs none,draft \
+    --trace "$RES/trace" --trace-steps 12
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
