@@ -66,8 +66,14 @@ def test_one_packed_transfer_round_trips_mixed_dtypes() -> None:
         "c": np.array([[0.5, -1.25]], dtype=np.float32),
         "d": np.array([True, False, True]),
         "empty": np.zeros(0, dtype=np.int64),
+        "t": np.arange(12, dtype=np.int64).reshape(3, 4).T,  # not C-contiguous
+        "e": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
     }
     out = to_device(arrays, torch.device("cpu"))
+    assert all(t.is_contiguous() for t in out.values())
+    out["a"][1:3] = 100  # a section written in place (as the worker places drafts)
+    assert out["a"].tolist() == [-2, 100, 100, 1, 2] and out["b"].tolist() == arrays["b"].tolist()
+    arrays["a"][1:3] = 100
     for name, a in arrays.items():
         t = out[name]
         assert (
@@ -78,6 +84,8 @@ def test_one_packed_transfer_round_trips_mixed_dtypes() -> None:
                 "c": torch.float32,
                 "d": torch.bool,
                 "empty": torch.int64,
+                "t": torch.int64,
+                "e": torch.float32,
             }[name]
         )
         assert t.shape == a.shape and t.tolist() == a.tolist()
