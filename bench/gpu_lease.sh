@@ -749,6 +749,22 @@ plan_r43() {
     --trace "$RES/trace" --trace-steps 12
 }
 
+# r46 (one H100, issues 23 and 18; NOTES e48): the packed copy's sections as one
+# as_strided view each: the engine, speculative and draft GPU tests, C/A/B (ours), the
+# draft pair on the device and on the host again (spec-device), the step's host parts.
+plan_r46() {
+  facts
+  (export CUDA_VISIBLE_DEVICES=0; ckpt_write 300) &
+  step tests-gpu 420 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
+    tests/gpu/test_draft_cuda.py
+  wait
+  step ours 600 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ours
+  step spec-device 600 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" \
+    --phases spec-device
+  step profile-spec 300 python3 bench/profile_spec.py --ckpt "$CKPT" --configs none,draft \
+    --detail
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

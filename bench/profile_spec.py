@@ -41,9 +41,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _timers(core: Any) -> tuple[dict[str, float], Any]:
+def _timers(core: Any, detail: bool = False) -> tuple[dict[str, float], Any]:
     """Wraps the core's proposer, scheduler and worker calls with timers (ms, summed per
-    step into the returned dict); returns it and an undo function."""
+    step into the returned dict); returns it and an undo function. ``detail``: also the
+    parts of the target's launch and of an in-process draft's propose (nested inside
+    those: they overlap the phases above)."""
     from torch.profiler import record_function
 
     from kvscale.server.worker.worker import PendingStep
@@ -71,6 +73,22 @@ def _timers(core: Any) -> tuple[dict[str, float], Any]:
         wrap(core.speculator, "stage", "propose")
     wrap(core.scheduler, "schedule", "schedule")
     wrap(core.worker, "launch", "launch")
+    if detail:
+        from kvscale.server.engine import engine_core
+        from kvscale.server.worker import worker as worker_module
+
+        wrap(engine_core, "build_step", "d.build_step")
+        wrap(worker_module, "to_device", "d.to_device")
+        wrap(worker_module, "_place_drafts", "d.place_drafts")
+        wrap(core.worker, "_enqueue_forward", "d.target_forward")
+        wrap(core.worker, "_sample", "d.target_sample")
+        if core.worker.graphs is not None:
+            wrap(core.worker.graphs, "run", "d.target_graph_run")
+        runner = core.speculator.proposer if core.speculator is not None else None
+        if runner is not None and hasattr(runner, "_catch_up"):
+            for name in ("_plan", "_catch_up", "_decode", "_draw", "_settle"):
+                wrap(runner, name, f"d.draft{name}")
+            wrap(runner.worker, "forward", "d.draft_forward")
     result = PendingStep.result
 
     def timed_result(self: Any) -> Any:
@@ -90,8 +108,9 @@ def _timers(core: Any) -> tuple[dict[str, float], Any]:
     return cur, restore
 
 
-def profile_config(llm: Any, repeat: bool, top: int) -> dict[str, Any]:
-    """One request decoded step by step, timed; then again under cProfile."""
+def profile_config(llm: Any, repeat: bool, top: int, detail: bool = False) -> dict[str, Any]:
+    """One request decoded step by step, timed (``detail``: see ``_timers``); then again
+    under cProfile."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from spec_bench import OUT_LEN, _prompts
 
@@ -101,7 +120,7 @@ def profile_config(llm: Any, repeat: bool, top: int) -> dict[str, Any]:
     prompt = _prompts(1, repeat)
     sp = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
     llm.generate(prompt, sp)  # warm-up
-    cur, restore = _timers(eng.core)
+    cur, restore = _timers(eng.core, detail)
     rows = []
     try:
         eng.queue("p0", prompt[0], eng.prepare(prompt[0], sp), sp)
@@ -122,6 +141,8 @@ def profile_config(llm: Any, repeat: bool, top: int) -> dict[str, Any]:
     mean = {k: statistics.fmean(r.get(k, 0.0) for r in steps) for k in keys}
     parts = ("propose", "schedule", "launch", "wait")
     mean["other_host"] = mean["step"] - sum(mean[k] for k in parts)
+    for k in sorted({k for r in steps for k in r} - set(mean)):  # the detail timers
+        mean[k] = statistics.fmean(r.get(k, 0.0) for r in steps)
     pr = cProfile.Profile()
     pr.enable()
     llm.generate(prompt, sp)
@@ -222,6 +243,7 @@ def main() -> None:
     ap.add_argument("--trace", help="also write and summarise a torch.profiler trace here")
     ap.add_argument("--trace-steps", type=int, default=12)
     ap.add_argument("--skip-timed", action="store_true", help="the trace only")
+    ap.add_argument("--detail", action="store_true", help="time the launch's and propose's parts")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
@@ -238,7 +260,7 @@ def main() -> None:
         llm = _llm(ckpt, num_speculative_tokens=K, gpu_memory_utilization=0.75, **kw)
         (make_echo if target == "echo" else damp_deep_layers)(llm)
         if not args.skip_timed:
-            res = profile_config(llm, repeat=True, top=args.top)
+            res = profile_config(llm, repeat=True, top=args.top, detail=args.detail)
             m = res["ms_per_step"]
             print(
                 f"==== {name} on the {target} target, batch 1, {res['steps']} steps: per "
