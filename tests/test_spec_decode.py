@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvscale.server import LLM, SamplingParams
+from kvscale.server.engine.core_outputs import EngineStats
 from kvscale.server.engine.sequence import Sequence, SequenceStatus
 from kvscale.server.engine.speculation import (
     MISS_PAUSE_MAX,
@@ -270,22 +271,32 @@ def test_speculative_config_takes_vllm_keys(echo_ckpt: Path) -> None:
         LLM(str(echo_ckpt), device="cpu", speculative_config={"method": "ngram", "eagle_dir": 1})
 
 
+def _draft_keeps_greedy_tokens(
+    target: Path, draft: Path, params: list[SamplingParams], on_device: bool = True
+) -> EngineStats:
+    """``_prompts()`` on TIGHT settings without speculation and with ``draft`` in process
+    (k = 3, its drafts left on the device or read on the host): the same tokens. Returns
+    the speculative engine's stats."""
+    prompts = _prompts()
+    base = _run_checked(LLM(str(target), **TIGHT), prompts, params)
+    llm = LLM(
+        str(target), **TIGHT, speculative_method="draft",
+        speculative_model=str(draft), num_speculative_tokens=3,
+    )  # fmt: skip
+    assert llm.engine.core.speculator.on_device  # the default for a draft in process
+    llm.engine.core.speculator.on_device = on_device
+    spec = _run_checked(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    return llm.engine.stats()
+
+
 def test_inprocess_draft_equal_to_the_target_accepts_everything(llama_ckpt: Path) -> None:
     """Draft = target: greedy output unchanged on a mixed batch (chunked prefill,
     preemption, rows that do not draft), every draft accepted, k + 1 tokens per verify."""
-    prompts = _prompts()
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    params = [greedy] * len(prompts)
+    params = [greedy] * len(_prompts())
     params[1] = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
-    base = _run_checked(LLM(str(llama_ckpt), **TIGHT), prompts, params)
-    llm = LLM(
-        str(llama_ckpt), **TIGHT, speculative_method="draft",
-        speculative_model=str(llama_ckpt), num_speculative_tokens=3,
-    )  # fmt: skip
-    assert llm.engine.core.speculator.on_device  # the drafts stay on the device
-    spec = _run_checked(llm, prompts, params)
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
-    s = llm.engine.stats()
+    s = _draft_keeps_greedy_tokens(llama_ckpt, llama_ckpt, params)
     assert s.num_preemptions > 0 and s.spec_num_drafts > 20
     assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
     assert s.spec_accepted_per_pos[0] == s.spec_num_drafts
@@ -304,19 +315,9 @@ def test_inprocess_draft_of_another_model_keeps_greedy_tokens(
     target's greedy tokens are unchanged on a mixed batch (penalties included), with the
     drafts left on the device (the worker places them into the verify step) and read on
     the host alike."""
-    draft = noisy_draft
-    prompts = _prompts()
-    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * len(_prompts())
     params[2] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=0.5)
-    base = _run_checked(LLM(str(llama_ckpt), **TIGHT), prompts, params)
-    llm = LLM(
-        str(llama_ckpt), **TIGHT, speculative_method="draft",
-        speculative_model=str(draft), num_speculative_tokens=3,
-    )  # fmt: skip
-    llm.engine.core.speculator.on_device = on_device
-    spec = _run_checked(llm, prompts, params)
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
-    s = llm.engine.stats()
+    s = _draft_keeps_greedy_tokens(llama_ckpt, noisy_draft, params, on_device)
     assert s.spec_num_drafts > 20 and 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
 
 
