@@ -615,6 +615,32 @@ def test_the_profile_script_splits_the_round_trip() -> None:
     assert "Ordered by: internal time" in out and "draft_sidecar.py" in out
 
 
+def test_the_breakdown_script_times_both_sides() -> None:
+    """bench/sidecar_breakdown.py: the host's primitives, then per model time each side's
+    functions (the wait for the answer and the sidecar's model time among them)."""
+    script = PROFILE_SIDECAR.parent / "sidecar_breakdown.py"
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script), "--model-ms", "0,2", "--steps", "80"],
+        capture_output=True, text=True, env=env, timeout=180, check=True,
+    ).stdout  # fmt: skip
+    assert "os.sched_yield()" in out and "numpy: x + x (64 int64)" in out
+    sides = re.split(r"model (?:0|2) ms, medians a step \(us\), the client:", out)[1:]
+    assert len(sides) == 2, out
+    for busy_ms, side in zip((0, 2), sides, strict=True):
+        client, sidecar = side.split("  the sidecar:")
+        rows = {
+            m[0].strip(): float(m[1])
+            for part in (client, sidecar)
+            for m in re.findall(r"^  (.+?)\s+(\d+\.\d+)$", part, re.M)
+        }
+        for name in ("mirror.step", "encode PROPOSE", "decode PROPOSAL", "decode PROPOSE"):
+            assert 0 < rows[name] < 5e3, (name, rows)
+        assert rows["model"] >= busy_ms * 1e3  # the stand-in's busy time, in us
+        # (the poll for the answer is absent where a busy machine turned polling off)
+        assert rows["propose (the round trip)"] > rows["mirror.step"] + rows["decode PROPOSAL"]
+
+
 def test_the_client_polls_through_the_drafts_compute_time(
     thread_server: Callable[..., tuple[str, EchoModel]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
