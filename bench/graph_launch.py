@@ -5,9 +5,8 @@ known, and the GPU idles for as long as ``cudaGraphLaunch`` takes on the host (0
 ms for the 8B model's graph on an H100 host, NOTES e47). This times the host side of
 ``CUDAGraph.replay()`` (median of ``--replays``, the GPU idle before each) for graphs of
 ``N`` nodes of one kind each: torch elementwise kernels, Triton kernels, one-row cuBLAS
-GEMMs (``F.linear``), memsets, device-to-device copies; then for the engine's decode
-graphs of demo models of ``--layers`` layers, whose node kinds it counts from the graph's
-DOT dump.
+GEMMs (``F.linear``), memsets, device-to-device copies, the three kernels in turn; then
+for the engine's batch-1 decode graphs of demo models of ``--layers`` layers.
 
     python bench/graph_launch.py [--nodes 32,128,512] [--layers 2,8,32] [--out-dir DIR]
 """
@@ -15,9 +14,7 @@ DOT dump.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import re
 import statistics
 import tempfile
 import time
@@ -48,33 +45,16 @@ def replay_host_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return 1e6 * statistics.median(times)
 
 
-def captured(body: Callable[[], object], debug_dot: Path | None = None) -> torch.cuda.CUDAGraph:
-    """``body`` captured once (after a warm-up run); its DOT dump to ``debug_dot``."""
+def captured(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``body`` captured once (after a warm-up run)."""
     body()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    if debug_dot is not None:
-        graph.enable_debug_mode()
     with torch.cuda.graph(graph):
         body()
-    if debug_dot is not None:
-        graph.debug_dump(str(debug_dot))
     graph.replay()
     torch.cuda.synchronize()
     return graph
-
-
-def node_kinds(dot: Path) -> dict[str, int]:
-    """Counts of a DOT dump's node kinds (``KERNEL``, ``MEMSET``, ``MEMCPY``...)."""
-    kinds = collections.Counter(
-        re.findall(
-            r"\\n?(KERNEL|MEMSET|MEMCPY|EVENT_RECORD|"
-            r"WAIT_EVENT|HOST|EMPTY|MEM_ALLOC|MEM_FREE|"
-            r"CONDITIONAL|GRAPH)\b",
-            dot.read_text(),
-        )
-    )
-    return dict(kinds)
 
 
 def synthetic(nodes: int, replays: int) -> dict[str, float]:
@@ -127,35 +107,16 @@ def synthetic(nodes: int, replays: int) -> dict[str, float]:
     return out
 
 
-def engine_graph(layers: int, replays: int, tmp: Path, out: Path | None) -> dict[str, object]:
-    """The decode graph of batch 1 of a ``layers``-layer demo model: host us a replay and
-    its node kinds (its DOT dump kept in ``out``)."""
+def engine_graph(layers: int, replays: int, tmp: Path) -> dict[str, object]:
+    """The decode graph of batch 1 of a ``layers``-layer demo model, as the engine
+    captures it: host us a replay."""
     from kvscale.server import LLM
     from kvscale.server.demo_model import build_checkpoint
 
     ckpt = build_checkpoint(tmp / "ckpt", arch="llama", dtype="bfloat16", num_hidden_layers=layers)
-    real = torch.cuda.CUDAGraph
-
-    class Debug(real):  # every graph the engine captures, kept and dumpable
-        def __new__(cls, keep_graph: bool = False) -> Debug:
-            graph = super().__new__(cls, keep_graph=True)
-            graph.enable_debug_mode()
-            return graph
-
-    torch.cuda.CUDAGraph = Debug  # type: ignore[misc]
-    try:
-        llm = LLM(str(ckpt), device="cuda", cuda_graph_max_batch=1, num_kv_blocks=64)
-    finally:
-        torch.cuda.CUDAGraph = real  # type: ignore[misc]
-    graphs = llm.engine.worker.graphs
-    graph = graphs.graphs[1]
+    llm = LLM(str(ckpt), device="cuda", cuda_graph_max_batch=1, num_kv_blocks=64)
+    graph = llm.engine.worker.graphs.graphs[1]
     res: dict[str, object] = {"layers": layers, "replay_host_us": replay_host_us(graph, replays)}
-    dot = tmp / f"decode1-{layers}.dot"
-    graph.debug_dump(str(dot))
-    if dot.is_file():
-        res["node_kinds"] = node_kinds(dot)
-        if out is not None:
-            (out / dot.name).write_text(dot.read_text())
     llm.engine.core.shutdown()
     return res
 
@@ -178,12 +139,11 @@ def main() -> None:
         print(f"{n:4d} nodes: " + ", ".join(f"{k} {v:.1f} us" for k, v in row.items()), flush=True)
     for layers in (int(v) for v in args.layers.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(args.out_dir) if args.out_dir else None
-            eng = engine_graph(layers, args.replays, Path(tmp), out)
+            eng = engine_graph(layers, args.replays, Path(tmp))
         res[f"engine_decode_graph_{layers}"] = eng
         print(
             f"engine decode graph, {layers} layers, batch 1: replay "
-            f"{eng['replay_host_us']:.1f} us of host time; nodes {eng.get('node_kinds')}",
+            f"{eng['replay_host_us']:.1f} us of host time",
             flush=True,
         )
     if args.out_dir:
