@@ -64,6 +64,22 @@ class StandIn:
         pass
 
 
+def first_requests() -> list[DraftRequest]:
+    """The workload's first step: ``BATCH`` sampled sequences of 200-token prompts."""
+    rng = np.random.default_rng(0)
+    return [
+        DraftRequest(i, [1, *rng.integers(3, VOCAB, 200).tolist()], K, 0.8, i) for i in range(BATCH)
+    ]
+
+
+def next_requests(reqs: list[DraftRequest], p: Proposal) -> list[DraftRequest]:
+    """The next step: each sequence keeps 2 of its drafts, then the target's token."""
+    return [
+        DraftRequest(r.seq_id, [*r.token_ids, *p.tokens[i, :2].tolist(), 5], K, 0.8, i)
+        for i, r in enumerate(reqs)
+    ]
+
+
 def serve(sock: str, busy_s: float) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -78,11 +94,7 @@ def measure(model_ms: float, steps: int, profile: bool) -> str:
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         client = SidecarProposer(sock, FINGERPRINT, timeout_s=10)
-        rng = np.random.default_rng(0)
-        reqs = [
-            DraftRequest(i, [1, *rng.integers(3, VOCAB, 200).tolist()], K, 0.8, i)
-            for i in range(BATCH)
-        ]
+        reqs = first_requests()
         cols: dict[str, list[float]] = {"total": [], "model": [], "own": []}
         prof = cProfile.Profile()
         for step in range(steps):
@@ -94,10 +106,7 @@ def measure(model_ms: float, steps: int, profile: bool) -> str:
                 cols["total"].append(client.last_round_trip_s)
                 cols["model"].append(client.last_server_s)
                 cols["own"].append(client.last_round_trip_s - client.last_wait_s)
-            reqs = [
-                DraftRequest(r.seq_id, [*r.token_ids, *p.tokens[i, :2].tolist(), 5], K, 0.8, i)
-                for i, r in enumerate(reqs)
-            ]
+            reqs = next_requests(reqs, p)
         prof.disable()
         client.close()
     finally:

@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 
 from kvscale.server.spec_decode import draft_sidecar as ds
-from kvscale.server.spec_decode.proposer import DraftRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import profile_sidecar as ps  # a sibling script: its stand-in and constants
@@ -101,20 +100,13 @@ def client(model_ms: float, steps: int) -> tuple[dict[str, float], dict[str, flo
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         c = ds.SidecarProposer(sock, ps.FINGERPRINT, timeout_s=10, vocab_size=ps.VOCAB)
-        rng = np.random.default_rng(0)
-        reqs = [
-            DraftRequest(i, [1, *rng.integers(3, ps.VOCAB, 200).tolist()], ps.K, 0.8, i)
-            for i in range(ps.BATCH)
-        ]
+        reqs = ps.first_requests()
         beyond = []
         for _ in range(steps):
             p = c.propose(reqs)
             assert c.available and (p.num_tokens == ps.K).all()
             beyond.append(c.last_round_trip_s - c.last_server_s)
-            reqs = [
-                DraftRequest(r.seq_id, [*r.token_ids, *p.tokens[i, :2].tolist(), 5], ps.K, 0.8, i)
-                for i, r in enumerate(reqs)
-            ]
+            reqs = ps.next_requests(reqs, p)
         c.close()
     finally:
         proc.terminate()
