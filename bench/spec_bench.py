@@ -187,6 +187,22 @@ def _release_compiled() -> None:
         torch.cuda.empty_cache()
 
 
+def _measured(make_llm: Any, close: Any, prepare: Any, **kw: Any) -> dict[str, Any]:
+    """An engine made with ``kw`` (k = ``K``), prepared, measured at ``BATCHES`` and freed
+    before the next engine sizes its pool from the memory left; its error if it fails
+    (the bench reports and goes on)."""
+    try:
+        llm = make_llm(num_speculative_tokens=K, **kw)
+        prepare(llm)
+        got = {f"b{b}": measure(llm, b) for b in BATCHES}
+        close(llm)
+        del llm
+        _release_compiled()
+        return got
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def phase_spec_piecewise(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> dict[str, Any]:
     """The damped pair with verify steps replayed as piecewise CUDA graphs
     (``--cuda-graph-mode full_and_piecewise``; by default they run eagerly), against the
@@ -202,15 +218,7 @@ def phase_spec_piecewise(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -
         ("none", {}),
         ("draft-inprocess", dict(speculative_method="draft", speculative_model=str(draft))),
     ):
-        try:
-            llm = make_llm(num_speculative_tokens=K, **pw, **kw)
-            damp_deep_layers(llm)
-            res[name] = {f"b{b}": measure(llm, b) for b in BATCHES}
-            close(llm)
-            del llm  # before the next engine sizes its pool from the memory left
-            _release_compiled()
-        except Exception as e:  # the bench reports and goes on
-            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        res[name] = _measured(make_llm, close, damp_deep_layers, **pw, **kw)
         print(f"[spec-piecewise] {name}: {res[name]}", flush=True)
     return res
 
@@ -238,15 +246,7 @@ def phase_spec_device(ckpt: Path, out_dir: Path, make_llm: Any, close: Any) -> d
     ]
     res: dict[str, Any] = {"k": K, "draft_layers": DRAFT_LAYERS, "deep_scale": DEEP_SCALE}
     for name, prepare, kw in order:
-        try:
-            llm = make_llm(num_speculative_tokens=K, gpu_memory_utilization=0.75, **kw)
-            prepare(llm)
-            got = {f"b{b}": measure(llm, b) for b in BATCHES}
-            close(llm)
-            del llm  # before the next engine sizes its pool from the memory left
-            _release_compiled()
-        except Exception as e:  # the bench reports and goes on
-            got = {"error": f"{type(e).__name__}: {e}"}
+        got = _measured(make_llm, close, prepare, gpu_memory_utilization=0.75, **kw)
         res.setdefault(name, []).append(got)
         print(f"[spec-device] {name}: {got}", flush=True)
     return res
