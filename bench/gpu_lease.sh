@@ -740,9 +740,7 @@ plan_r40() {
 # goes now (profile_spec's trace).
 plan_r43() {
   facts
-  (export CUDA_VISIBLE_DEVICES=0; ckpt_write 300) &
-  step tests-spec 300 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py
-  wait
+  ckpt_beside tests-spec 300 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py
   step spec-device 600 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" \
     --phases spec-device
   step profile-spec 300 python3 bench/profile_spec.py --ckpt "$CKPT" --configs none,draft \
@@ -754,10 +752,8 @@ plan_r43() {
 # draft pair on the device and on the host again (spec-device), the step's host parts.
 plan_r46() {
   facts
-  (export CUDA_VISIBLE_DEVICES=0; ckpt_write 300) &
-  step tests-gpu 420 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
-    tests/gpu/test_draft_cuda.py
-  wait
+  ckpt_beside tests-gpu 420 "${PT[@]}" tests/gpu/test_engine_cuda.py \
+    tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py
   step ours 600 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" --phases ours
   step spec-device 600 python3 bench/engine_bench.py --out-dir "$RES" --ckpt "$CKPT" \
     --phases spec-device
