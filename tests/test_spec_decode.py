@@ -168,6 +168,21 @@ def test_may_draft_and_adapt() -> None:
     assert st.acceptance_rate == 0.5 and st.mean_accepted_length == 2.5
 
 
+def test_drafts_stay_on_the_device_for_an_in_process_draft_on_one_rank(
+    llama_ckpt: Path,
+) -> None:
+    """Only a proposer that can leave its drafts on the device does, and only for a
+    single-rank target (other tensor-parallel ranks receive host arrays only)."""
+    from kvscale.server.spec_decode.draft_runner import DraftRunner, draft_engine_config
+
+    runner = DraftRunner.from_engine_config(
+        draft_engine_config(str(llama_ckpt), device="cpu", num_kv_blocks=16), 3
+    )
+    assert Speculator(runner, 3, 8).on_device
+    assert not Speculator(runner, 3, 8, single_rank=False).on_device
+    assert not Speculator(NgramProposer(k=3, min_n=1, max_n=2), 3, 8).on_device
+
+
 def test_empty_proposals_back_off_and_a_match_resumes() -> None:
     """n-gram on tokens that never repeat: proposals at steps 0, 2, 5, 10, 19, 36, 69, 134,
     199 (pauses 1, 2, 4, ..., then MISS_PAUSE_MAX); once the tokens repeat, drafting

@@ -113,12 +113,13 @@ class EngineCore:
             raise
         if proposer is not None:
             self.speculator = Speculator(
-                proposer, eng.num_speculative_tokens, eng.speculative_disable_by_batch_size
+                proposer,
+                eng.num_speculative_tokens,
+                eng.speculative_disable_by_batch_size,
+                single_rank=eng.tensor_parallel_size == 1,
             )
             if self.speculator.follows_verify:  # the next step's drafts, queued on the device
                 self.worker.set_verify_hook(self.speculator.after_verify)
-            if config.engine.tensor_parallel_size > 1:  # the other ranks get host arrays only
-                self.speculator.on_device = False
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarManager(
             eng.tokenizer or eng.model, self.vocab_size, sorted(self.eos_token_ids)

@@ -108,7 +108,15 @@ class Speculator:
     """Drafts for the running sequences through a ``Proposer``; counts what verification
     accepted."""
 
-    def __init__(self, proposer: Proposer, k: int, disable_by_batch_size: int) -> None:
+    def __init__(
+        self,
+        proposer: Proposer,
+        k: int,
+        disable_by_batch_size: int,
+        single_rank: bool = True,
+    ) -> None:
+        """``single_rank``: the target runs on one rank (drafts may then stay on the
+        device; other tensor-parallel ranks receive the step's host arrays only)."""
         self.proposer = proposer
         self.k = k
         self.disable_by_batch_size = disable_by_batch_size
@@ -116,10 +124,8 @@ class Speculator:
         self.propose_s = 0.0  # wall time in the proposer's host calls (seconds, cumulative)
         # the proposer drafts right after a verify step, on the device
         self.follows_verify = isinstance(proposer, VerifyFollower)
-        # drafts left on the device for the verify step (an in-process draft model on a
-        # single-rank target: the engine turns it off for tensor parallelism, whose other
-        # ranks receive the step's host arrays only)
-        self.on_device = isinstance(proposer, DeviceProposer)
+        # drafts left on the device for the verify step (an in-process draft model)
+        self.on_device = single_rank and isinstance(proposer, DeviceProposer)
         self.device_drafts: DeviceProposal | None = None  # this step's, when on_device
 
     def active(self, num_running: int) -> bool:

@@ -217,7 +217,7 @@ def verify_inputs(
     nd = np.zeros(n, dtype=np.int64)
     qs = [seqs[r].draft_q for r in rows]
     with_q = device_q_width > 0 or any(q is not None for q in qs)
-    m = max([device_q_width, *(q[0].shape[1] for q in qs if q is not None)], default=1) or 1
+    m = max(1, device_q_width, *(q[0].shape[1] for q in qs if q is not None))
     spec_dst: list[int] = []
     spec_src: list[int] = []
     q_ids = np.zeros((n, k, m), dtype=np.int64)
