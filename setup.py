@@ -24,4 +24,6 @@ for name, folder in SUBPACKAGES.items():
         packages.append(f"kvscale.{name}.{sub}")
         package_dir[f"kvscale.{name}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
 
-setup(packages=packages, package_dir=package_dir)
+# C sources built at first use (kvscale.server.native_build)
+package_data = {"kvscale.server.spec_decode": ["*.c"]}
+setup(packages=packages, package_dir=package_dir, package_data=package_data)

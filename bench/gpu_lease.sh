@@ -761,6 +761,23 @@ plan_r46() {
     --detail
 }
 
+# r49 (one H100, issues 18 and 23; NOTES e49): the sidecar's per-step work in compiled
+# code (sidecar_native.c): its round trip by function on this host, compiled and Python
+# paths; the sidecar tests on this host's Python (the C build against the Python path);
+# the speculative and draft GPU tests owed since 1ed748c; the draft pair in process and
+# in the sidecar (spec), drafts on the device and on the host (spec-device).
+plan_r49() {
+  facts
+  step sidecar-breakdown 200 python3 bench/sidecar_breakdown.py --model-ms 0,7.8 --steps 300
+  step profile-sidecar 120 python3 bench/profile_sidecar.py --model-ms 0,7.8,0,7.8
+  step profile-sidecar-py 120 env KVSCALE_NATIVE=0 python3 bench/profile_sidecar.py \
+    --model-ms 0,7.8,0,7.8
+  step tests-host 200 "${PT[@]}" tests/test_draft_sidecar.py
+  ckpt_beside tests-spec 360 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py
+  bench spec 420 spec
+  bench spec-device 420 spec-device
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

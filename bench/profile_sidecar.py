@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvscale.server.spec_decode import draft_sidecar
 from kvscale.server.spec_decode.draft_sidecar import SidecarProposer, serve_draft
 from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 
@@ -144,7 +145,11 @@ def main() -> None:
         import torch
 
         torch.zeros(1, device="cuda").sum().item()
-    print(f"client: python {sys.version.split()[0]}, numpy {np.__version__}, cuda {args.cuda}")
+    path = "native" if draft_sidecar.native_module() is not None else "python"
+    print(
+        f"client: python {sys.version.split()[0]}, numpy {np.__version__}, cuda {args.cuda}, "
+        f"{path} path (KVSCALE_NATIVE={os.environ.get('KVSCALE_NATIVE', '1')})"
+    )
     for ms in (float(x) for x in args.model_ms.split(",")):
         print(measure(ms, args.steps, args.profile), flush=True)
 

@@ -7,12 +7,13 @@ a 2-core development machine). Prints each function's median per step (us) on bo
 and the host's cost of the primitives the round trip is made of (a system call, a small
 numpy op, a Python loop over 64 items), so hosts can be compared by their parts.
 
-    python bench/sidecar_breakdown.py [--model-ms 0,7.8] [--steps 300]
+    python bench/sidecar_breakdown.py [--model-ms 0,7.8] [--steps 300] [--paths native,python]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import select
@@ -61,7 +62,7 @@ def medians(times: Times, skip: int) -> dict[str, float]:
 def serve(sock: str, model_ms: float, out: str) -> None:
     """The stand-in sidecar with its side's functions timed; medians to ``out`` at exit."""
     times: Times = {}
-    timed(times, ds, "decode_frame", "decode PROPOSE")
+    timed(times, ds, "decode", "decode PROPOSE")
     timed(times, ds._Session, "propose", "session.propose (model included)")
     timed(times, ds._Session, "settle", "settle (after the send)")
     timed(times, ds, "encode_proposal", "encode PROPOSAL")
@@ -79,13 +80,16 @@ def serve(sock: str, model_ms: float, out: str) -> None:
 def client(model_ms: float, steps: int) -> tuple[dict[str, float], dict[str, float]]:
     """(the client's medians, the sidecar's) for one stand-in model time."""
     times: Times = {}
+    # (the Python path's parts run only with KVSCALE_NATIVE=0; a row per function called)
     for owner, name, label in (
-        (ds._Mirror, "step", "mirror.step"),
-        (ds, "encode_propose_records", "encode PROPOSE"),
+        (ds._Mirror, "frame", "PROPOSE frame (mirror + encode)"),
+        (ds._Mirror, "step", "  mirror.step"),
+        (ds, "encode_propose_records", "  encode PROPOSE"),
         (ds, "send_all", "send"),
         (ds._Mirror, "commit", "mirror.commit (during the wait)"),
         (ds, "spin_until_readable", "poll for the answer (the wait)"),
         (ds.FrameReader, "read", "read"),
+        (ds._Mirror, "answer", "PROPOSAL answer (decode, check, mirror)"),
         (ds, "decode_frame", "decode PROPOSAL"),
         (ds.SidecarProposer, "_check", "check"),
         (ds._Mirror, "drafted", "mirror.drafted"),
@@ -155,6 +159,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-ms", default="0,7.8")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument(
+        "--paths", default="native,python", help="the client's compiled path, its Python one"
+    )
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -164,9 +171,12 @@ def main() -> None:
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} CPUs")
     for name, us in primitives().items():
         print(f"  {name:40s} {us:7.2f} us")
-    for ms in (float(v) for v in args.model_ms.split(",")):
+    for path, ms in itertools.product(args.paths.split(","), map(float, args.model_ms.split(","))):
+        os.environ["KVSCALE_NATIVE"] = "1" if path == "native" else "0"
+        if (ds.native_module() is not None) != (path == "native"):
+            sys.exit(f"the {path} path is not available (the C build needs gcc)")
         own, side = client(ms, args.steps)
-        print(f"model {ms:g} ms, medians a step (us), the client:")
+        print(f"model {ms:g} ms, {path} path, medians a step (us), the client:")
         for name, us in own.items():
             print(f"  {name:40s} {us:8.1f}")
         print("  the sidecar:")

@@ -34,6 +34,11 @@ LABEL org.opencontainers.image.title="kvscale-server" \
       org.opencontainers.image.source="https://github.com/kvscale/kvscale" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/venv /opt/venv
+# A C compiler: Triton builds its GPU launchers at first use, and kvscale its draft
+# sidecar protocol module (server/native_build.py; without one, the Python path runs).
+RUN command -v gcc >/dev/null || (apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*)
 RUN useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin kvscale
 WORKDIR /tmp
 # The pod's root filesystem is read-only: caches live under /tmp (an emptyDir there).

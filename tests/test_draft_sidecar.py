@@ -57,27 +57,37 @@ def body(frame: bytes) -> bytes:
 
 
 # ---- the wire format ----------------------------------------------------------------------
-def test_round_trips() -> None:
+@pytest.fixture(params=["native", "python"])
+def decode(request: pytest.FixtureRequest) -> Callable[[bytes], wire.Frame]:
+    """The sidecar's decoder: PROPOSE frames through ``sidecar_native.c``, or all in Python."""
+    if request.param == "python":
+        return decode_frame
+    native = draft_sidecar.native_module()
+    assert native is not None, "the C path did not build (no gcc?)"
+    return lambda b: draft_sidecar.decode(b, native)
+
+
+def test_round_trips(decode: Callable[[bytes], wire.Frame]) -> None:
     h = Hello(wire.PROTOCOL_VERSION, "ab" * 32, 32000, 4, 8)
-    assert decode_frame(body(wire.encode_hello(h))) == h
+    assert decode(body(wire.encode_hello(h))) == h
     ups = [
         SeqUpdate(7, 0, [1, 2, 3], 4),
         SeqUpdate(-2, 5, np.array([], dtype=np.int64), 1, 0.7, 3),
         SeqUpdate(1 << 40, 100, [31999], 2, 1.5, -1),  # a negative seed travels mod 2**64
         SeqUpdate(9, 3, [0] * 1000, 0, 0.0, (1 << 70) + 5),
     ]
-    got = decode_frame(body(wire.encode_propose(ups)))
+    got = decode(body(wire.encode_propose(ups)))
     assert isinstance(got, wire.ProposeFrame) and len(got) == 4
     for u, d in zip(ups, got.updates(), strict=True):
         assert (d.seq_id, d.keep, d.k) == (u.seq_id, u.keep, u.k)
         assert list(d.new_tokens) == list(u.new_tokens)
         assert d.temperature == pytest.approx(u.temperature)
         assert d.seed == (None if u.seed is None else u.seed % (1 << 64))
-    empty = decode_frame(body(wire.encode_propose([])))
+    empty = decode(body(wire.encode_propose([])))
     assert isinstance(empty, wire.ProposeFrame) and len(empty) == 0
 
     p = Proposal(np.array([[5, 6, -1], [-1, -1, -1]]), np.array([2, 0]))
-    got = decode_frame(body(wire.encode_proposal(p, 0.0123)))
+    got = decode(body(wire.encode_proposal(p, 0.0123)))
     assert isinstance(got, wire.ProposalFrame) and got.compute_s == pytest.approx(0.0123)
     assert got.proposal.tokens.tolist() == p.tokens.tolist()
     assert got.proposal.tokens.dtype == np.int64 and got.proposal.num_tokens.tolist() == [2, 0]
@@ -85,20 +95,20 @@ def test_round_trips() -> None:
     rng = np.random.default_rng(0)
     p.q_ids = rng.integers(0, 32000, (2, 3, 4)).astype(np.int32)
     p.q_probs = rng.random((2, 3, 4)).astype(np.float32)
-    got = decode_frame(body(wire.encode_proposal(p)))
+    got = decode(body(wire.encode_proposal(p)))
     assert isinstance(got, wire.ProposalFrame) and got.proposal.q_ids is not None
     assert np.array_equal(got.proposal.q_ids, p.q_ids)
     assert got.proposal.q_probs is not None and np.array_equal(got.proposal.q_probs, p.q_probs)
-    assert decode_frame(body(wire.encode_proposal(Proposal.empty(0, 0)))) is not None
+    assert decode(body(wire.encode_proposal(Proposal.empty(0, 0)))) is not None
 
-    rel = decode_frame(body(wire.encode_release([3, 1 << 50, -1])))
+    rel = decode(body(wire.encode_release([3, 1 << 50, -1])))
     assert isinstance(rel, wire.ReleaseFrame) and rel.seq_ids.tolist() == [3, 1 << 50, -1]
-    err = decode_frame(body(wire.encode_error("no room ✓")))
+    err = decode(body(wire.encode_error("no room ✓")))
     assert err == wire.ErrorFrame("no room ✓")
     two = wire.encode_release([1]) + wire.encode_hello(h)
     first = split_frame(two)
-    assert first is not None and isinstance(decode_frame(first[0]), wire.ReleaseFrame)
-    assert decode_frame(body(first[1])) == h
+    assert first is not None and isinstance(decode(first[0]), wire.ReleaseFrame)
+    assert decode(body(first[1])) == h
 
 
 def _frames() -> list[bytes]:
@@ -113,41 +123,41 @@ def _frames() -> list[bytes]:
     ]
 
 
-def test_truncated_and_padded_frames_raise() -> None:
+def test_truncated_and_padded_frames_raise(decode: Callable[[bytes], wire.Frame]) -> None:
     for frame in _frames():
         b = body(frame)
         for cut in range(len(b)):
             with pytest.raises(ProtocolError):
-                decode_frame(b[:cut])
+                decode(b[:cut])
         with pytest.raises(ProtocolError):
-            decode_frame(b + b"\0")
+            decode(b + b"\0")
         for cut in range(len(frame)):
             assert split_frame(frame[:cut]) is None  # incomplete: wait for more
 
 
-def test_malformed_frames_raise_clear_errors() -> None:
+def test_malformed_frames_raise_clear_errors(decode: Callable[[bytes], wire.Frame]) -> None:
     with pytest.raises(ProtocolError, match="unknown frame kind 99"):
-        decode_frame(b"\x63abc")
+        decode(b"\x63abc")
     with pytest.raises(ProtocolError, match="out of range"):
         wire.frame_length(b"\0\0\0\0")
     with pytest.raises(ProtocolError, match="out of range"):
         split_frame(b"\xff\xff\xff\xff" + b"\0" * 8)  # a garbage length is refused at once
     with pytest.raises(ProtocolError, match="not ASCII"):
-        decode_frame(body(wire.encode_hello(Hello(1, "x", 1, 1, 1)))[:-1] + b"\xff")
+        decode(body(wire.encode_hello(Hello(1, "x", 1, 1, 1)))[:-1] + b"\xff")
     good = bytearray(body(wire.encode_propose([SeqUpdate(1, 0, [3, 4], 2)])))
     bad = bytearray(good)
     bad[1 + 4 : 1 + 8] = (3).to_bytes(4, "little")  # T = 3 tokens declared, 2 in the records
     bad += b"\0\0\0\0"
     with pytest.raises(ProtocolError, match="add up"):
-        decode_frame(bytes(bad))
+        decode(bytes(bad))
     bad = bytearray(good)
     bad[9 + 8 : 9 + 12] = (-1 & 0xFFFFFFFF).to_bytes(4, "little")  # keep = -1
     with pytest.raises(ProtocolError, match="negative"):
-        decode_frame(bytes(bad))
+        decode(bytes(bad))
     prop = bytearray(body(wire.encode_proposal(Proposal(np.array([[5, 6]]), np.array([2])))))
     prop[-4:] = (3).to_bytes(4, "little")  # num_tokens 3 > K = 2
     with pytest.raises(ProtocolError, match="num_tokens"):
-        decode_frame(bytes(prop))
+        decode(bytes(prop))
     with pytest.raises(ProtocolError, match="token ids"):
         wire.encode_propose([SeqUpdate(1, 0, [-4], 1)])
     with pytest.raises(ProtocolError, match="temperature"):
@@ -228,8 +238,19 @@ def thread_server(tmp_path: Path) -> Iterator[Callable[..., tuple[str, EchoModel
         t.join(5)
 
 
+@pytest.fixture(params=["native", "python"])
+def client_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The client's compiled per-step path (``sidecar_native.c``) or its Python one."""
+    monkeypatch.setenv("KVSCALE_NATIVE", "1" if request.param == "native" else "0")
+    built = draft_sidecar.native_module() is not None
+    assert built == (request.param == "native"), "the C path did not build (no gcc?)"
+    return request.param
+
+
 def test_client_sends_only_new_tokens_and_mirrors_the_server(
-    thread_server: Callable[..., tuple[str, EchoModel]], monkeypatch: pytest.MonkeyPatch
+    thread_server: Callable[..., tuple[str, EchoModel]],
+    monkeypatch: pytest.MonkeyPatch,
+    client_path: str,
 ) -> None:
     sent: list[list[SeqUpdate]] = []  # each PROPOSE as the server decoded it
     propose = draft_sidecar._Session.propose
@@ -274,7 +295,9 @@ def test_client_sends_only_new_tokens_and_mirrors_the_server(
 
 
 def test_the_mirror_sends_the_longest_valid_prefix_over_a_changing_batch(
-    thread_server: Callable[..., tuple[str, EchoModel]], monkeypatch: pytest.MonkeyPatch
+    thread_server: Callable[..., tuple[str, EchoModel]],
+    monkeypatch: pytest.MonkeyPatch,
+    client_path: str,
 ) -> None:
     """Random steps: batches of changing composition and order, per-step k, some drafts
     accepted, released and reused ids, and sequences replaced or shrunk without a release
@@ -360,8 +383,136 @@ def test_the_mirror_sends_the_longest_valid_prefix_over_a_changing_batch(
     client.close()
 
 
+def _answer(rng: np.random.Generator, reqs: list[DraftRequest], top_m: int) -> Proposal:
+    """A random PROPOSAL for ``reqs``: up to each k drafts (ids now and then past 32000),
+    a q of ``top_m`` ids (0: none) that sums to 1 over its row."""
+    ks = [r.k for r in reqs]
+    b, kmax = len(reqs), max(ks, default=0)
+    p = Proposal.empty(b, kmax)
+    for i, k in enumerate(ks):
+        n = int(rng.integers(0, k + 1)) if rng.random() < 0.3 else k
+        p.num_tokens[i] = n
+        p.tokens[i, :n] = rng.integers(0, 32000 + (rng.random() < 0.05) * 9, n)
+    if top_m:
+        p.q_ids = rng.integers(0, 32000, (b, kmax, top_m)).astype(np.int32)
+        p.q_ids[rng.random((b, kmax)) < 0.02, 0] = 32003  # past the vocabulary, in q
+        p.q_probs = rng.dirichlet(np.ones(top_m), (b, kmax)).astype(np.float32)
+    return p
+
+
+def test_the_compiled_client_equals_the_python_one(tmp_path: Path) -> None:
+    """``sidecar_native.c`` against the Python path it replaces, on the same random steps
+    (batches of changing composition and order, per-step k, accepted drafts, replaced and
+    shrunk sequences, released ids, answers with and without q, drafts and q ids past the
+    target's vocabulary): the same PROPOSE bytes, the same drafts and q, the same mirror
+    after each step; malformed answers and bad tokens are refused by both."""
+    assert draft_sidecar.native_module() is not None, "the C path did not build (no gcc?)"
+    py, nat = draft_sidecar._Mirror(native=False), draft_sidecar._Mirror(native=True)
+    # an unconnected client: its Python checks of an answer (``_check``, the vocabulary)
+    client = SidecarProposer(str(tmp_path / "none.sock"), None, timeout_s=0.1, vocab_size=32000)
+    rng = np.random.default_rng(11)
+    seqs: dict[int, list[int]] = {}
+    drafts: dict[int, list[int]] = {}
+    ids: list[int] = []
+    next_id = 0
+    for step in range(400):
+        while len(seqs) < 10:
+            seqs[next_id] = [1, *rng.integers(3, 30000, int(rng.integers(0, 20))).tolist()]
+            next_id += 1
+        if step % 6 < 3 or not ids:
+            ids = [s for s in seqs if rng.random() < 0.8]
+            rng.shuffle(ids)
+        for sid in ids:
+            toks, u = seqs[sid], rng.random()
+            if step and u < 0.03:  # replaced without a release
+                seqs[sid] = rng.integers(3, 30000, int(rng.integers(0, 9))).tolist()
+            elif step and u < 0.06:
+                del toks[int(rng.integers(0, len(toks) + 1)) :]  # shrunk (maybe emptied)
+            else:
+                d = drafts.get(sid, [])
+                toks += d[: int(rng.integers(0, len(d) + 1))]
+                toks.append(int(rng.integers(3, 30000)))
+            drafts.pop(sid, None)
+        reqs = [DraftRequest(s, seqs[s], int(rng.integers(1, 7))) for s in ids]
+        ks = [r.k for r in reqs]
+        zero = np.zeros(len(ids), np.int64)
+        rec = wire.propose_records(ids, zero, zero, ks, [0.0] * len(ids), [None] * len(ids))
+        want = py.frame(ids, reqs, rec.copy())
+        py.commit()
+        assert nat.frame(ids, reqs, rec.copy()) == want, step
+        p = _answer(rng, reqs, int(rng.choice([0, 0, 4])))
+        frame = body(wire.encode_proposal(p, compute_s=1e-3 * step))
+        reply = decode_frame(frame)
+        assert isinstance(reply, wire.ProposalFrame)
+        valid, got = client._check(reply.proposal, ks, len(ks), max(ks, default=0))
+        py.drafted(got)
+        client._drop_rows_past_vocab(reply.proposal, valid)
+        answer = nat.answer(frame, ks, 32000)
+        assert answer is not None
+        q, compute_s, dropped = answer
+        r = reply.proposal
+        np.testing.assert_array_equal(q.tokens, r.tokens)
+        np.testing.assert_array_equal(q.num_tokens, r.num_tokens)
+        assert (q.q_ids is None) == (r.q_ids is None) and compute_s == reply.compute_s
+        if q.q_ids is not None:
+            np.testing.assert_array_equal(q.q_ids, r.q_ids)
+            np.testing.assert_array_equal(q.q_probs, r.q_probs)
+        assert dropped == bool((r.num_tokens < p.num_tokens).any())
+        np.testing.assert_array_equal(nat.rows_base, py.rows_base)
+        np.testing.assert_array_equal(nat.rows_expect, py.rows_expect)
+        drafts.update((s, r.tokens[i, : r.num_tokens[i]].tolist()) for i, s in enumerate(ids))
+        if step % 9 == 8:
+            gone = [s for s in seqs if rng.random() < 0.3]
+            assert py.forget(gone) == nat.forget(gone)
+            for sid in gone:
+                seqs.pop(sid)
+            ids = [s for s in ids if s in seqs]
+    # the sidecar's decoding of random PROPOSE frames: every column the same
+    native = draft_sidecar.native_module()
+    for _ in range(50):
+        ups = [
+            SeqUpdate(int(rng.integers(-(2**62), 2**62)), int(rng.integers(0, 99)),
+                      rng.integers(0, 2**31, int(rng.integers(0, 9))), int(rng.integers(0, 9)),
+                      float(rng.choice([0.0, 0.7, 1e30])),
+                      None if rng.random() < 0.5 else int(rng.integers(0, 2**63)))
+            for _ in range(int(rng.integers(0, 12)))
+        ]  # fmt: skip
+        frame = body(wire.encode_propose(ups))
+        a, b = decode_frame(frame), draft_sidecar.decode(frame, native)
+        assert isinstance(a, wire.ProposeFrame) and isinstance(b, wire.ProposeFrame)
+        for col in ("seq_ids", "keep", "k", "temperature", "has_seed", "offsets", "token_list"):
+            assert getattr(a, col) == getattr(b, col), col
+        assert a.records.tobytes() == b.records.tobytes() and a.updates() == b.updates()
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+    # refused by both: a token outside int32, an answer of another shape, a negative
+    # draft, more drafts than asked for, a negative id in q, a truncated body
+    for m in (py, nat):
+        m.reset()
+        with pytest.raises(ProtocolError, match="out of range"):
+            m.frame([1], [DraftRequest(1, [5, 2**31], 2)], rec[:1].copy())
+    reqs = [DraftRequest(1, [5, 6], 2), DraftRequest(2, [7], 3)]
+    nat.frame(
+        [1, 2], reqs, wire.propose_records([1, 2], [0, 0], [0, 0], [2, 3], [0, 0], [None] * 2)
+    )
+    good = _answer(np.random.default_rng(1), reqs, 4)
+    bad = [
+        (Proposal(good.tokens[:, :2], good.num_tokens), "shape"),
+        (replace(good, tokens=np.where(np.arange(3) == 0, -5, good.tokens)), "negative draft"),
+        (replace(good, num_tokens=np.array([3, 3])), "more drafts than asked"),
+        (replace(good, q_ids=good.q_ids - 40000), "negative id in q"),
+    ]
+    good.num_tokens[:] = [2, 3]
+    for p, match in bad:
+        with pytest.raises(ProtocolError, match=match):
+            nat.answer(body(wire.encode_proposal(p)), [2, 3], 32000)
+    with pytest.raises(ProtocolError, match="expected"):
+        nat.answer(body(wire.encode_proposal(good))[:-4], [2, 3], 32000)
+    error = body(wire.encode_error("no"))
+    assert nat.answer(error, [2, 3], 32000) is None  # the caller decodes it
+
+
 def test_frames_larger_than_the_socket_buffers_travel_whole(
-    thread_server: Callable[..., tuple[str, EchoModel]],
+    thread_server: Callable[..., tuple[str, EchoModel]], client_path: str
 ) -> None:
     """A prefill of several MB: the non-blocking writes and reads go on in pieces."""
     path, model = thread_server()
@@ -401,7 +552,7 @@ def test_a_silent_sidecar_costs_one_timeout_then_retries_later(
 
 
 def test_an_error_frame_or_garbage_is_a_failure_not_an_exception(
-    thread_server: Callable[..., tuple[str, EchoModel]], tmp_path: Path
+    thread_server: Callable[..., tuple[str, EchoModel]], tmp_path: Path, client_path: str
 ) -> None:
     class Broken(EchoModel):
         def propose(self, requests: list[DraftRequest]) -> Proposal:
@@ -625,20 +776,27 @@ def test_the_breakdown_script_times_both_sides() -> None:
         capture_output=True, text=True, env=env, timeout=180, check=True,
     ).stdout  # fmt: skip
     assert "os.sched_yield()" in out and "numpy: x + x (64 int64)" in out
-    sides = re.split(r"model (?:0|2) ms, medians a step \(us\), the client:", out)[1:]
-    assert len(sides) == 2, out
-    for busy_ms, side in zip((0, 2), sides, strict=True):
+    head = r"model (0|2) ms, (native|python) path, medians a step \(us\), the client:"
+    runs = re.findall(head, out)
+    assert runs == [("0", "native"), ("2", "native"), ("0", "python"), ("2", "python")], out
+    for (busy_ms, path), side in zip(runs, re.split(head, out)[3::3], strict=True):
         client, sidecar = side.split("  the sidecar:")
         rows = {
             m[0].strip(): float(m[1])
             for part in (client, sidecar)
             for m in re.findall(r"^  (.+?)\s+(\d+\.\d+)$", part, re.M)
         }
-        for name in ("mirror.step", "encode PROPOSE", "decode PROPOSAL", "decode PROPOSE"):
+        answer = "PROPOSAL answer (decode, check, mirror)" if path == "native" else "check"
+        parts = ["PROPOSE frame (mirror + encode)", answer, "decode PROPOSE"]
+        if path == "python":
+            parts += ["mirror.step", "encode PROPOSE", "decode PROPOSAL", "mirror.drafted"]
+        for name in parts:
             assert 0 < rows[name] < 5e3, (name, rows)
-        assert rows["model"] >= busy_ms * 1e3  # the stand-in's busy time, in us
+        assert (answer == "check") == ("decode PROPOSAL" in rows)  # the path it says
+        assert rows["model"] >= int(busy_ms) * 1e3  # the stand-in's busy time, in us
         # (the poll for the answer is absent where a busy machine turned polling off)
-        assert rows["propose (the round trip)"] > rows["mirror.step"] + rows["decode PROPOSAL"]
+        frame = rows["PROPOSE frame (mirror + encode)"]
+        assert rows["propose (the round trip)"] > frame + rows[answer]
 
 
 def test_the_client_polls_through_the_drafts_compute_time(

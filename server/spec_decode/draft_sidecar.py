@@ -36,15 +36,19 @@ from collections.abc import Callable, Iterable
 from itertools import chain, repeat
 from operator import attrgetter, gt
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 import numpy as np
 
+from kvscale.server import native_build
 from kvscale.server.spec_decode.draft_protocol import (
     PREFIX,
+    PROPOSE,
     PROTOCOL_VERSION,
     RECORD,
     ErrorFrame,
+    Frame,
     Hello,
     ProposalFrame,
     ProposeFrame,
@@ -63,6 +67,8 @@ from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 
 log = logging.getLogger(__name__)
 
+_PROPOSE_KIND = bytes([PROPOSE])
+_PROPOSE_HEADER = 9  # u8 kind, u32 B, u32 T
 _KEY = attrgetter("seq_id", "temperature", "seed")  # a request's, but for k (which varies)
 _K = attrgetter("k")
 
@@ -234,6 +240,7 @@ class _Session:
 
     def __init__(self, runner: DraftModel) -> None:
         self.runner = runner
+        self.native = native_module()  # the token update in compiled code, if built
         self.requests: dict[int, DraftRequest] = {}
         self._ids: list[int] | None = None  # the last batch: seq ids, requests, lists,
         self._reqs: list[DraftRequest] = []
@@ -279,8 +286,11 @@ class _Session:
             self._batch(ids, keeps)
         reqs, held = self._reqs, self._held
         tokens, off = frame.token_list, frame.offsets
-        for h, kp, a, e in zip(held, keeps, off, off[1:], strict=False):  # off: B + 1
-            h[kp:] = tokens[a:e]
+        if self.native is not None:
+            self.native.apply_tokens(held, keeps, tokens, off)
+        else:
+            for h, kp, a, e in zip(held, keeps, off, off[1:], strict=False):  # off: B + 1
+                h[kp:] = tokens[a:e]
         # the parameters that changed (an engine adapts k step by step): C-level loops
         if frame.k != self._k:
             any(map(setattr, reqs, repeat("k"), frame.k))
@@ -425,12 +435,26 @@ def serve_draft(
             pass
 
 
+def decode(body: bytes, native: ModuleType | None) -> Frame:
+    """``decode_frame``, a PROPOSE through the compiled decoder when ``native`` is set."""
+    if native is None or body[:1] != _PROPOSE_KIND:
+        return decode_frame(body)
+    try:
+        ids, keep, k, temperature, has_seed, offsets, tokens = native.decode_propose(body)
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+    b = len(ids)
+    records = np.frombuffer(body, RECORD, b, _PROPOSE_HEADER)
+    arr = np.frombuffer(body, np.int32, len(tokens), _PROPOSE_HEADER + b * RECORD.itemsize)
+    return ProposeFrame(records, arr, offsets, ids, keep, k, temperature, has_seed, tokens)
+
+
 def _serve_one(reader: FrameReader, session: _Session, io_timeout_s: float) -> bool:
     """Reads and answers one frame; False when the connection should be dropped."""
     deadline = time.monotonic() + io_timeout_s
     conn = reader.sock
     try:
-        frame = decode_frame(reader.read(deadline))
+        frame = decode(reader.read(deadline), session.native)
     except (OSError, ProtocolError) as e:
         if not isinstance(e, ConnectionError) or "mid-frame" in str(e):
             log.warning("draft sidecar: dropping the client: %s", e)
@@ -467,6 +491,11 @@ class TokenizerMismatch(ValueError):
     """The sidecar's draft model has another tokenizer than the target."""
 
 
+def native_module() -> ModuleType | None:
+    """``sidecar_native.c`` built (``native_build``), or None: the Python path."""
+    return native_build.load("sidecar_native", Path(__file__).with_name("sidecar_native.c"))
+
+
 _PAD = np.iinfo(np.int64).max  # past a row's drafts: equal to no token
 _PAD64 = np.int64(_PAD)
 
@@ -485,7 +514,10 @@ class _Mirror:
     (``rows_*``): the same batch again (an engine's usual step) touches no slot. A step
     is one pass over the token lists and a few numpy ops for the whole batch."""
 
-    def __init__(self, capacity: int = 64, width: int = 6) -> None:
+    def __init__(self, capacity: int = 64, width: int = 6, native: bool = True) -> None:
+        # the compiled step and answer (``sidecar_native.c``): the same results as the
+        # Python path below, at a few percent of its cost on a virtual machine's host
+        self.native = native_module() if native else None
         self.slot: dict[int, int] = {}  # seq_id -> its slot
         self.free: list[int] = []
         self.used = 0  # slots [0, used) have been handed out
@@ -554,8 +586,23 @@ class _Mirror:
                     if slots[i] < 0:
                         slots[i] = self._alloc(seq_ids[i])
         self.sl = np.array(slots, dtype=np.intp)
-        self._rows(self.base[self.sl], self.expect[self.sl])
+        self.rows_base, self.rows_expect = self.base[self.sl], self.expect[self.sl]
         self.ids = seq_ids
+
+    def frame(self, seq_ids: list[int], requests: list[DraftRequest], records: np.ndarray) -> bytes:
+        """The PROPOSE frame of a step (``records``: its ``RECORD [B]``, whose ``keep`` and
+        ``num_new`` this fills in), then ``commit`` once it is sent."""
+        if self.native is None:
+            keep, num_new, new = self.step(seq_ids, requests)
+            records["keep"] = keep
+            records["num_new"] = num_new
+            return encode_propose_records(records, new)
+        if seq_ids != self.ids:
+            self._gather(seq_ids)
+        try:  # commits as it builds the frame: a failure resets the mirror anyway
+            return self.native.propose_frame(requests, self.rows_base, self.rows_expect, records)
+        except (ValueError, OverflowError, TypeError) as e:
+            raise ProtocolError(f"PROPOSE: {e}") from None
 
     def step(
         self, seq_ids: list[int], requests: list[DraftRequest]
@@ -564,6 +611,7 @@ class _Mirror:
         ``[T]``, in batch order) for the requests' token lists now (then ``commit``)."""
         if seq_ids != self.ids:
             self._gather(seq_ids)
+            self._rows(self.rows_base, self.rows_expect)
         cols = self.cols
         while True:
             rows = [r.token_ids[s:] for r, s in zip(requests, self.starts, strict=True)]
@@ -591,6 +639,8 @@ class _Mirror:
     def commit(self) -> None:
         """Records that the sidecar holds each whole list the last ``step`` saw (then the
         drafts, with ``drafted``). Work for the wait for the answer."""
+        if self.native is not None:
+            return  # ``frame`` did
         flat, ends, lens = self._sent
         n = self.rows_start + lens
         # the last token, for the next check (rows with no tokens: none, nothing held)
@@ -601,17 +651,41 @@ class _Mirror:
         """Records the drafts the sidecar appended to the last step's batch: int64
         ``[B, K]``, ``_PAD`` past each row's drafts."""
         k = tokens.shape[1]
+        self.widen(k)
+        # a row with no tokens (no check) would hold [drafts...]: comparing is not worth it
+        self.rows_expect[:, 1 : k + 1] = tokens
+        self.rows_expect[:, k + 1 :] = _PAD
+
+    def widen(self, k: int) -> None:
+        """Room for ``k`` drafts a row: a PAD column after them stops every comparison."""
         w = self.rows_expect.shape[1]
-        if k + 2 > w:  # wider: a PAD column after the drafts stops every comparison
+        if k + 2 > w:
             ids = self.ids
             self._flush()
             grown = np.full((len(self.expect), k + 2), _PAD, np.int64)
             grown[:, :w] = self.expect
             self.expect, self.cols = grown, np.arange(k + 2)
             self._gather(ids or [])
-        # a row with no tokens (no check) would hold [drafts...]: comparing is not worth it
-        self.rows_expect[:, 1 : k + 1] = tokens
-        self.rows_expect[:, k + 1 :] = _PAD
+            self._rows(self.rows_base, self.rows_expect)
+
+    def answer(
+        self, body: bytes, ks: list[int], vocab_size: int | None
+    ) -> tuple[Proposal, float, bool] | None:
+        """(the drafts, the sidecar's compute seconds, whether rows lost drafts past
+        ``vocab_size``) of a PROPOSAL body, recorded as what the sidecar holds (``drafted``);
+        None if the body is another frame. Native only (the Python path: ``decode_frame``,
+        ``SidecarProposer._check``, ``drafted``)."""
+        assert self.native is not None
+        self.widen(max(ks, default=0))
+        vocab = -1 if vocab_size is None else vocab_size
+        try:
+            got = self.native.parse_proposal(body, ks, self.rows_expect, vocab)
+        except (ValueError, OverflowError) as e:
+            raise ProtocolError(str(e)) from None
+        if got is None:
+            return None
+        tokens, num, q_ids, q_probs, us, dropped = got
+        return Proposal(tokens, num, q_ids, q_probs), us / 1e6, dropped
 
 
 class SidecarProposer:
@@ -776,11 +850,7 @@ class SidecarProposer:
             self._records["k"] = ks
             self._ks = ks
         # the mirror moves on before the answer: any failure resets it (a new connection)
-        keep, num_new, new = self._mirror.step(self._ids, requests)
-        rec = self._records  # its keep and num_new are this step's
-        rec["keep"] = keep
-        rec["num_new"] = num_new
-        data = encode_propose_records(rec, new)
+        data = self._mirror.frame(self._ids, requests, self._records)
         if self._release_queue:
             data = encode_release(self._release_queue) + data
             self._release_queue.clear()
@@ -794,17 +864,23 @@ class SidecarProposer:
                 self._no_spin_until = time.monotonic() + SPIN_BACKOFF_S  # no answer in time
         frame = self._reader.read(deadline)
         self.last_wait_s = time.monotonic() - sent
-        reply = decode_frame(frame)
-        if isinstance(reply, ErrorFrame):
-            raise SidecarError(f"the sidecar refused the step: {reply.message}")
-        if not isinstance(reply, ProposalFrame):
-            raise ProtocolError(f"expected PROPOSAL, got {type(reply).__name__}")
-        p = reply.proposal
-        valid, drafts = self._check(p, self._ks, b, kmax)
-        self._mirror.drafted(drafts)  # what the sidecar now holds
-        self._drop_rows_past_vocab(p, valid)
+        got = self._mirror.answer(frame, self._ks, self.vocab_size) if self._mirror.native else None
+        if got is not None:
+            p, compute_s, dropped = got
+            if dropped:
+                self._warn_vocab()
+        else:  # the Python path, or not a PROPOSAL
+            reply = decode_frame(frame)
+            if isinstance(reply, ErrorFrame):
+                raise SidecarError(f"the sidecar refused the step: {reply.message}")
+            if not isinstance(reply, ProposalFrame):
+                raise ProtocolError(f"expected PROPOSAL, got {type(reply).__name__}")
+            p, compute_s = reply.proposal, reply.compute_s
+            valid, drafts = self._check(p, self._ks, b, kmax)
+            self._mirror.drafted(drafts)  # what the sidecar now holds
+            self._drop_rows_past_vocab(p, valid)
         self.last_round_trip_s = time.monotonic() - t0
-        self.last_server_s = reply.compute_s
+        self.last_server_s = compute_s
         return p
 
     def _check(
@@ -853,18 +929,21 @@ class SidecarProposer:
         if p.q_ids is not None:
             bad |= ((p.q_ids >= self.vocab_size).any(axis=2) & valid).any(axis=1)
         if bad.any():
-            if not self._warned_vocab:
-                self._warned_vocab = True
-                log.warning(
-                    "draft sidecar at %s proposes token ids >= the target's vocabulary "
-                    "(%d): those sequences get no drafts (serve-draft --vocab-limit)",
-                    self.path, self.vocab_size,
-                )  # fmt: skip
+            self._warn_vocab()
             p.tokens[bad] = -1
             p.num_tokens[bad] = 0
             if p.q_ids is not None and p.q_probs is not None:
                 p.q_ids[bad] = 0
                 p.q_probs[bad] = 0.0
+
+    def _warn_vocab(self) -> None:
+        if not self._warned_vocab:
+            self._warned_vocab = True
+            log.warning(
+                "draft sidecar at %s proposes token ids >= the target's vocabulary "
+                "(%d): those sequences get no drafts (serve-draft --vocab-limit)",
+                self.path, self.vocab_size,
+            )  # fmt: skip
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Forgets the sequences; the sidecar hears it with the next step's frame."""
