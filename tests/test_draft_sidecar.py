@@ -699,10 +699,11 @@ def test_sidecar_round_trip_overhead_beyond_a_stand_in_model(sock_dir: Path) -> 
     """The issue's measure: a step's round trip on loopback beyond the sidecar's time in
     the draft model, batch 64, k = 4, steady state (each sequence takes 1 to 5 tokens a
     step: some drafts accepted, then the target's). The budget is 0.3 ms (the median of
-    the steps). Asserted: the best median of three rounds of 100 steps (a shared CI
-    machine: another job's burst can spoil a round) under 0.55 ms; the first sidecar's
-    rounds took 0.65 to 1.3 ms on the 2-core CI machine, this one's 0.2 to 0.35 (0.45
-    with the CPUs kept busy by other processes)."""
+    the steps), asserted on the best median of three rounds of 100 steps (a shared CI
+    machine: another job's burst can spoil a round), with the compiled path on both sides
+    (``sidecar_native.c``: 0.04-0.05 ms on the 2-core development machine; the Python
+    path 0.1-0.13, on an H100 host 0.19-0.46 against the compiled 0.11-0.22)."""
+    assert draft_sidecar.native_module() is not None, "the C path did not build (no gcc?)"
     sock = str(sock_dir / "stand-in.sock")
     env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
@@ -737,7 +738,7 @@ def test_sidecar_round_trip_overhead_beyond_a_stand_in_model(sock_dir: Path) -> 
             f"{np.percentile(overheads, 90) * 1e3:.3f} ms; rounds of 100: "
             f"{', '.join(f'{r * 1e3:.3f}' for r in rounds)} ms; target 0.3 ms)"
         )
-        assert min(rounds) < 0.55e-3
+        assert min(rounds) < 0.3e-3
         client.close()
     finally:
         proc.terminate()
