@@ -45,6 +45,7 @@ HELLO, PROPOSE, PROPOSAL, RELEASE, ERROR = 1, 2, 3, 4, 5
 PREFIX = struct.Struct("<I")
 _HELLO = struct.Struct("<BHIHHH")
 _PROPOSE = struct.Struct("<BII")
+PROPOSE_HEADER_SIZE = _PROPOSE.size  # a PROPOSE body's bytes before its records
 _PROPOSAL = struct.Struct("<BIHHI")
 _RELEASE = struct.Struct("<BI")
 RECORD = np.dtype(

@@ -11,12 +11,14 @@
   reconnect at most every ``retry_s``; a new connection starts with an empty mirror.
   Every call returns within ``timeout_s`` (connecting included).
 
-A step's cost beyond the draft model (batch 64, k = 4: about 0.3 ms on loopback on a
-2-core CPU) is kept off per-sequence Python: the client's mirror is arrays (``_Mirror``:
-one pass slices the token lists, numpy compares the whole batch with the drafts), frames
-are built and read column by column, the bookkeeping that can wait (the mirror's, the
-server's drafts) runs while the peer works, sockets are non-blocking (one system call a
-read or write), and each side polls for the other's next frame for a short window
+A step's cost beyond the draft model (batch 64, k = 4; budget 0.3 ms on loopback) is kept
+off per-sequence Python: the per-step work of both sides is compiled C when it can be
+built (``sidecar_native.c``: the client's frame and mirror in one call, its answer in
+another; the sidecar's decoding and token update), else arrays and numpy (``_Mirror``:
+one pass slices the token lists, numpy compares the whole batch with the drafts; frames
+built and read column by column), with the same results. The bookkeeping that can wait
+(the server's drafts) runs while the peer works, sockets are non-blocking (one system
+call a read or write), and each side polls for the other's next frame for a short window
 instead of sleeping (waking a process costs more than the rest of the round trip on a
 virtual machine; the window turns itself off while it does not pay).
 """
@@ -45,6 +47,7 @@ from kvscale.server import native_build
 from kvscale.server.spec_decode.draft_protocol import (
     PREFIX,
     PROPOSE,
+    PROPOSE_HEADER_SIZE,
     PROTOCOL_VERSION,
     RECORD,
     ErrorFrame,
@@ -68,7 +71,6 @@ from kvscale.server.spec_decode.proposer import DraftRequest, Proposal
 log = logging.getLogger(__name__)
 
 _PROPOSE_KIND = bytes([PROPOSE])
-_PROPOSE_HEADER = 9  # u8 kind, u32 B, u32 T
 _KEY = attrgetter("seq_id", "temperature", "seed")  # a request's, but for k (which varies)
 _K = attrgetter("k")
 
@@ -444,8 +446,8 @@ def decode(body: bytes, native: ModuleType | None) -> Frame:
     except ValueError as e:
         raise ProtocolError(str(e)) from None
     b = len(ids)
-    records = np.frombuffer(body, RECORD, b, _PROPOSE_HEADER)
-    arr = np.frombuffer(body, np.int32, len(tokens), _PROPOSE_HEADER + b * RECORD.itemsize)
+    records = np.frombuffer(body, RECORD, b, PROPOSE_HEADER_SIZE)
+    arr = np.frombuffer(body, np.int32, len(tokens), PROPOSE_HEADER_SIZE + b * RECORD.itemsize)
     return ProposeFrame(records, arr, offsets, ids, keep, k, temperature, has_seed, tokens)
 
 
@@ -590,8 +592,8 @@ class _Mirror:
         self.ids = seq_ids
 
     def frame(self, seq_ids: list[int], requests: list[DraftRequest], records: np.ndarray) -> bytes:
-        """The PROPOSE frame of a step (``records``: its ``RECORD [B]``, whose ``keep`` and
-        ``num_new`` this fills in), then ``commit`` once it is sent."""
+        """The PROPOSE frame of a step (``records``: its ``RECORD [B]``; ``keep`` and
+        ``num_new`` are this function's), then ``commit`` once it is sent."""
         if self.native is None:
             keep, num_new, new = self.step(seq_ids, requests)
             records["keep"] = keep
@@ -599,6 +601,8 @@ class _Mirror:
             return encode_propose_records(records, new)
         if seq_ids != self.ids:
             self._gather(seq_ids)
+        if type(requests) is not list:
+            requests = list(requests)
         try:  # commits as it builds the frame: a failure resets the mirror anyway
             return self.native.propose_frame(requests, self.rows_base, self.rows_expect, records)
         except (ValueError, OverflowError, TypeError) as e:
