@@ -118,6 +118,48 @@ def test_tp2_tokens_equal_tp1(ckpts: dict[str, Path], arch: str) -> None:
     assert outs[-1].logprobs
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3),
+        dict(speculative_method="draft", num_speculative_tokens=3),  # the target as its draft
+    ],
+    ids=["ngram", "draft-inprocess"],
+)
+def test_tp2_with_speculation_gives_tp1s_greedy_tokens(
+    ckpts: dict[str, Path], spec: dict[str, Any]
+) -> None:
+    """Speculative steps at TP=2 (rank 0 drafts and verifies; the other rank runs the
+    multi-token verify forward from the host arrays it is sent): greedy tokens equal TP=1
+    without speculation, under chunked prefill and preemption. With the target as its own
+    draft every draft is accepted."""
+    path = ckpts["llama"]
+    prompts = [p[:30] * 2 for p in PROMPTS]  # each repeats itself: n-gram lookups match
+    greedy = [GREEDY] * len(prompts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = [o.outputs[0].token_ids for o in
+                LLM(str(path), device="cpu", **FORCED).generate(prompts, greedy)]  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    if spec["speculative_method"] == "draft":
+        spec = {**spec, "speculative_model": str(path)}
+    llm = _tp_llm(path, **FORCED, **spec)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        stats = llm.engine.stats()
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.engine.core.shutdown()
+    bad = [i for i, (g, r) in enumerate(zip(got, want, strict=True)) if g != r]
+    assert not bad, f"prompts {bad} differ: {got[bad[0]]} vs {want[bad[0]]}"
+    assert stats.num_preemptions > 0 and stats.spec_num_draft_tokens > 0
+    if spec["speculative_method"] == "draft":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
 WATCHDOG_S = 5.0  # a real step of the tiny model takes milliseconds, even on a busy machine
 
 

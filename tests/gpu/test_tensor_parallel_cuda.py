@@ -8,6 +8,7 @@
   leaves the process group within 5 s (the graphs dropped first).
 - With the one-shot all-reduce (a process of its own: only a process's first TP engine
   sets it up), TP=2 greedy tokens equal TP=1's in fp32.
+- Speculative decoding at TP=2 (n-gram, an in-process draft) gives TP=1's greedy tokens.
 - The decode graphs hold the all-reduces: a graph-replay step launches no all-reduce
   from the host (only the token broadcast), and graphs give eager's tokens up to near
   ties (fp32).
@@ -170,6 +171,34 @@ def test_tp2_with_the_one_shot_all_reduce_equals_tp1(
     assert on is True, on
     bad = [i for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r]
     assert not bad, f"prompts {bad} differ: {got[bad[0]]} vs {ref[bad[0]]}"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tp2_with_speculation_equals_tp1(
+    checkpoint_factory: Callable[..., Path], method: str
+) -> None:
+    """Speculative steps at TP=2 (rank 0 drafts, the verify forward on both ranks, graphs
+    on): greedy fp32 tokens equal TP=1's without speculation, under chunked prefill and
+    preemption; the target as its own in-process draft has every draft accepted."""
+    path = checkpoint_factory("gpu-tp-llama", **ARCHES["llama"])
+    prompts = [p[:40] * 2 for p in PROMPTS]  # each repeats itself: n-gram lookups match
+    ref = _run(path, prompts, dtype="float32", **STRESS)
+    spec: dict[str, Any] = dict(speculative_method=method, num_speculative_tokens=3)
+    if method == "ngram":
+        spec.update(ngram_min=1, ngram_max=3)
+    else:
+        spec.update(speculative_model=str(path))
+    llm = LLM(str(path), device="cuda", dtype="float32", tensor_parallel_size=2, **STRESS, **spec)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        stats = llm.engine.stats()
+    finally:
+        _free(llm)
+    bad = [i for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r]
+    assert not bad, f"prompts {bad} differ: {got[bad[0]]} vs {ref[bad[0]]}"
+    assert stats.num_preemptions > 0 and stats.spec_num_draft_tokens > 0
+    if method == "draft":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
 
 
 def test_decode_graphs_hold_the_all_reduces(checkpoint_factory: Callable[..., Path]) -> None:
