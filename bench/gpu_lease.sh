@@ -778,6 +778,16 @@ plan_r49() {
   bench spec-device 420 spec-device
 }
 
+# r50 (2 GPUs, issue 24; NOTES e50): the TP GPU tests on HEAD (the worker changed since
+# r20: the packed copy's views, drafts on the device for one rank) with the new
+# speculative TP=2 tests, then C and A at TP=1 and TP=2.
+plan_r50() {
+  facts
+  ckpt_beside tests-tp 480 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py \
+    tests/gpu/test_one_shot_cuda.py
+  bench tp 300 ceilings,tp1,tp2
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
