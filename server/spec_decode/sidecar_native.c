@@ -156,6 +156,13 @@ static PyObject *propose_frame(PyObject *self, PyObject *args) {
     int32_t *tok = (int32_t *)(rec + RECORD_SIZE * b); /* unaligned is fine on x86/arm64 */
     for (Py_ssize_t r = 0; r < b; r++) {
         Row *row = &rows[r];
+        /* a list changed by the conversions above (only an odd token object's __index__
+         * runs Python code): its items may have moved */
+        if (PySequence_Fast_GET_SIZE(row->fast) != row->len ||
+            PySequence_Fast_ITEMS(row->fast) != row->items) {
+            PyErr_Format(PyExc_ValueError, "row %zd: its token list changed during the call", r);
+            goto fail;
+        }
         int chk = base[r] > 0;
         long long keep = base[r] + row->lead - chk;
         long long num_new = row->len - row->start - row->lead;
