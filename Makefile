@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # directory off sys.path for `python -m`/`-c`, or it would shadow the stdlib module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: venv test serve lint e2e clean prometheus buildah images
+.PHONY: venv test serve lint e2e clean prometheus buildah cc images
 
 venv: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml setup.py requirements-dev.txt requirements-eval.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-test: venv prometheus buildah
+test: venv prometheus buildah cc
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
@@ -32,6 +32,14 @@ prometheus:
 	@command -v prometheus >/dev/null || { \
 		echo "installing the prometheus server (apt-get)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; \
+	}
+
+# The draft sidecar's C part (server/native_build.py) is built at first use; its tests
+# expect a C compiler: Debian's gcc, installed when missing.
+cc:
+	@command -v gcc >/dev/null || command -v cc >/dev/null || { \
+		echo "installing a C compiler (apt-get)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev; \
 	}
 
 # The image smoke tests (tests/images) build and run the images with buildah (no Docker
