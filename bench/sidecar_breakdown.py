@@ -90,10 +90,10 @@ def client(model_ms: float, steps: int) -> tuple[dict[str, float], dict[str, flo
         (ds, "spin_until_readable", "poll for the answer (the wait)"),
         (ds.FrameReader, "read", "read"),
         (ds._Mirror, "answer", "PROPOSAL answer (decode, check, mirror)"),
-        (ds, "decode_frame", "decode PROPOSAL"),
-        (ds.SidecarProposer, "_check", "check"),
-        (ds._Mirror, "drafted", "mirror.drafted"),
-        (ds.SidecarProposer, "_drop_rows_past_vocab", "vocabulary check"),
+        (ds, "decode_frame", "  decode PROPOSAL"),
+        (ds._Mirror, "_check", "  check"),
+        (ds._Mirror, "drafted", "  mirror.drafted"),
+        (ds, "_drop_rows_past_vocab", "  vocabulary check"),
         (ds.SidecarProposer, "propose", "propose (the round trip)"),
     ):
         timed(times, owner, name, label)

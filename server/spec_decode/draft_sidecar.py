@@ -502,6 +502,29 @@ _PAD = np.iinfo(np.int64).max  # past a row's drafts: equal to no token
 _PAD64 = np.int64(_PAD)
 
 
+def _drop_rows_past_vocab(p: Proposal, valid: np.ndarray, vocab_size: int | None) -> bool:
+    """Rows drafting (or whose q holds) ids the target's vocabulary lacks (a draft
+    model with a larger vocabulary) lose their drafts: the target could not verify
+    them. Returns whether any did."""
+    if vocab_size is None:
+        return False
+    if p.tokens.max(initial=-1) < vocab_size and (
+        p.q_ids is None or p.q_ids.max(initial=-1) < vocab_size
+    ):  # the usual case: one look at the whole batch
+        return False
+    bad = ((p.tokens >= vocab_size) & valid).any(axis=1)
+    if p.q_ids is not None:
+        bad |= ((p.q_ids >= vocab_size).any(axis=2) & valid).any(axis=1)
+    if not bad.any():
+        return False
+    p.tokens[bad] = -1
+    p.num_tokens[bad] = 0
+    if p.q_ids is not None and p.q_probs is not None:
+        p.q_ids[bad] = 0
+        p.q_probs[bad] = 0.0
+    return True
+
+
 class _Mirror:
     """What the sidecar holds per sequence, as the client sees it: the caller's first
     ``base`` tokens (the whole list it sent last step), then the drafts. Accepted tokens
@@ -520,6 +543,7 @@ class _Mirror:
         # the compiled step and answer (``sidecar_native.c``): the same results as the
         # Python path below, at a few percent of its cost on a virtual machine's host
         self.native = native_module() if native else None
+        self._full = np.ones((0, 0), bool)  # all drafted: the usual answer's positions
         self.slot: dict[int, int] = {}  # seq_id -> its slot
         self.free: list[int] = []
         self.used = 0  # slots [0, used) have been handed out
@@ -674,22 +698,59 @@ class _Mirror:
 
     def answer(
         self, body: bytes, ks: list[int], vocab_size: int | None
-    ) -> tuple[Proposal, float, bool] | None:
-        """(the drafts, the sidecar's compute seconds, whether rows lost drafts past
-        ``vocab_size``) of a PROPOSAL body, recorded as what the sidecar holds (``drafted``);
-        None if the body is another frame. Native only (the Python path: ``decode_frame``,
-        ``SidecarProposer._check``, ``drafted``)."""
-        assert self.native is not None
-        self.widen(max(ks, default=0))
-        vocab = -1 if vocab_size is None else vocab_size
-        try:
-            got = self.native.parse_proposal(body, ks, self.rows_expect, vocab)
-        except (ValueError, OverflowError) as e:
-            raise ProtocolError(str(e)) from None
-        if got is None:
-            return None
-        tokens, num, q_ids, q_probs, us, dropped = got
-        return Proposal(tokens, num, q_ids, q_probs), us / 1e6, dropped
+    ) -> tuple[Proposal, float, bool]:
+        """(the drafts, the sidecar's compute seconds, whether rows lost their drafts to
+        ids past ``vocab_size``) of the answer to a step whose requests asked for ``ks``
+        drafts, recorded as what the sidecar holds (``drafted``). SidecarError for an ERROR
+        frame, ProtocolError for anything but a valid PROPOSAL."""
+        if self.native is not None:
+            self.widen(max(ks, default=0))
+            vocab = -1 if vocab_size is None else vocab_size
+            try:
+                got = self.native.parse_proposal(body, ks, self.rows_expect, vocab)
+            except (ValueError, OverflowError) as e:
+                raise ProtocolError(str(e)) from None
+            if got is not None:
+                tokens, num, q_ids, q_probs, us, dropped = got
+                return Proposal(tokens, num, q_ids, q_probs), us / 1e6, dropped
+        reply = decode_frame(body)  # the Python path, or not a PROPOSAL
+        if isinstance(reply, ErrorFrame):
+            raise SidecarError(f"the sidecar refused the step: {reply.message}")
+        if not isinstance(reply, ProposalFrame):
+            raise ProtocolError(f"expected PROPOSAL, got {type(reply).__name__}")
+        p = reply.proposal
+        valid, drafts = self._check(p, ks)
+        self.drafted(drafts)  # what the sidecar now holds
+        return p, reply.compute_s, _drop_rows_past_vocab(p, valid, vocab_size)
+
+    def _check(self, p: Proposal, ks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """ProtocolError unless ``p`` answers requests asking for ``ks`` drafts with token
+        ids >= 0. Returns the drafted positions (bool ``[B, K]``) and the drafts (int64
+        ``[B, K]``, ``_PAD`` elsewhere)."""
+        b, kmax = len(ks), max(ks, default=0)
+        if p.tokens.shape != (b, kmax):
+            raise ProtocolError(f"PROPOSAL of shape {p.tokens.shape} for {(b, kmax)}")
+        nums = p.num_tokens.tolist()
+        if any(map(gt, nums, ks)):
+            raise ProtocolError("PROPOSAL: more drafts than asked for")
+        if nums.count(kmax) == b:  # every row drafted K (the usual case): all valid
+            valid, drafts = self._all_valid(b, kmax), p.tokens
+        else:
+            valid = np.arange(kmax) < p.num_tokens[:, None]
+            drafts = np.where(valid, p.tokens, _PAD64)
+        if b and kmax and drafts.min() < 0:
+            raise ProtocolError("PROPOSAL: a negative draft token")
+        if p.q_ids is not None and p.q_ids.min(initial=0) < 0:  # any at a drafted position?
+            if np.count_nonzero((p.q_ids < 0).any(axis=2) & valid):
+                raise ProtocolError("PROPOSAL: a negative id in q")
+        return valid, drafts
+
+    def _all_valid(self, b: int, k: int) -> np.ndarray:
+        """A read-only bool ``[b, k]`` of True."""
+        if self._full.shape != (b, k):
+            self._full = np.ones((b, k), bool)
+            self._full.flags.writeable = False
+        return self._full
 
 
 class SidecarProposer:
@@ -743,8 +804,6 @@ class SidecarProposer:
         self._ks: list[int] = []
         self._key: list[tuple[int, float, int | None]] | None = None
         self._records = np.zeros(0, RECORD)
-        self._cols = np.arange(0)  # 0..K-1
-        self._full = np.ones((0, 0), bool)  # all drafted: the usual answer's positions
         self._release_queue: list[int] = []
         self._warned_vocab = False
         end = time.monotonic() + wait_s
@@ -831,13 +890,13 @@ class SidecarProposer:
                 self._fail(err)
                 return Proposal.empty(b, kmax)
         try:
-            return self._round_trip(requests, ks, kmax, t0, deadline)
+            return self._round_trip(requests, ks, t0, deadline)
         except Exception as e:
             self._fail(e)
             return Proposal.empty(b, kmax)
 
     def _round_trip(
-        self, requests: list[DraftRequest], ks: list[int], kmax: int, t0: float, deadline: float
+        self, requests: list[DraftRequest], ks: list[int], t0: float, deadline: float
     ) -> Proposal:
         assert self._sock is not None and self._reader is not None
         b = len(requests)
@@ -868,77 +927,12 @@ class SidecarProposer:
                 self._no_spin_until = time.monotonic() + SPIN_BACKOFF_S  # no answer in time
         frame = self._reader.read(deadline)
         self.last_wait_s = time.monotonic() - sent
-        got = self._mirror.answer(frame, self._ks, self.vocab_size) if self._mirror.native else None
-        if got is not None:
-            p, compute_s, dropped = got
-            if dropped:
-                self._warn_vocab()
-        else:  # the Python path, or not a PROPOSAL
-            reply = decode_frame(frame)
-            if isinstance(reply, ErrorFrame):
-                raise SidecarError(f"the sidecar refused the step: {reply.message}")
-            if not isinstance(reply, ProposalFrame):
-                raise ProtocolError(f"expected PROPOSAL, got {type(reply).__name__}")
-            p, compute_s = reply.proposal, reply.compute_s
-            valid, drafts = self._check(p, self._ks, b, kmax)
-            self._mirror.drafted(drafts)  # what the sidecar now holds
-            self._drop_rows_past_vocab(p, valid)
+        p, compute_s, dropped = self._mirror.answer(frame, self._ks, self.vocab_size)
+        if dropped:
+            self._warn_vocab()
         self.last_round_trip_s = time.monotonic() - t0
         self.last_server_s = compute_s
         return p
-
-    def _check(
-        self, p: Proposal, ks: list[int], b: int, kmax: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """ProtocolError unless the reply answers requests asking for ``ks`` drafts with
-        token ids >= 0. Returns the drafted positions (bool ``[B, K]``) and the drafts
-        (int64 ``[B, K]``, ``_PAD`` elsewhere)."""
-        if p.tokens.shape != (b, kmax):
-            raise ProtocolError(f"PROPOSAL of shape {p.tokens.shape} for {(b, kmax)}")
-        nums = p.num_tokens.tolist()
-        if any(map(gt, nums, ks)):
-            raise ProtocolError("PROPOSAL: more drafts than asked for")
-        if nums.count(kmax) == b:  # every row drafted K (the usual case): all valid
-            valid, drafts = self._all_valid(b, kmax), p.tokens
-        else:
-            if len(self._cols) != kmax:
-                self._cols = np.arange(kmax)
-            valid = self._cols < p.num_tokens[:, None]
-            drafts = np.where(valid, p.tokens, _PAD64)
-        if b and kmax and drafts.min() < 0:
-            raise ProtocolError("PROPOSAL: a negative draft token")
-        if p.q_ids is not None and p.q_ids.min(initial=0) < 0:  # any at a drafted position?
-            if np.count_nonzero((p.q_ids < 0).any(axis=2) & valid):
-                raise ProtocolError("PROPOSAL: a negative id in q")
-        return valid, drafts
-
-    def _all_valid(self, b: int, k: int) -> np.ndarray:
-        """A read-only bool ``[b, k]`` of True."""
-        if self._full.shape != (b, k):
-            self._full = np.ones((b, k), bool)
-            self._full.flags.writeable = False
-        return self._full
-
-    def _drop_rows_past_vocab(self, p: Proposal, valid: np.ndarray) -> None:
-        """Rows drafting (or whose q holds) ids the target's vocabulary lacks (a draft
-        model with a larger vocabulary) lose their drafts: the target could not verify
-        them."""
-        if self.vocab_size is None:
-            return
-        if p.tokens.max(initial=-1) < self.vocab_size and (
-            p.q_ids is None or p.q_ids.max(initial=-1) < self.vocab_size
-        ):  # the usual case: one look at the whole batch
-            return
-        bad = ((p.tokens >= self.vocab_size) & valid).any(axis=1)
-        if p.q_ids is not None:
-            bad |= ((p.q_ids >= self.vocab_size).any(axis=2) & valid).any(axis=1)
-        if bad.any():
-            self._warn_vocab()
-            p.tokens[bad] = -1
-            p.num_tokens[bad] = 0
-            if p.q_ids is not None and p.q_probs is not None:
-                p.q_ids[bad] = 0
-                p.q_probs[bad] = 0.0
 
     def _warn_vocab(self) -> None:
         if not self._warned_vocab:
