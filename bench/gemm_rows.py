@@ -11,9 +11,15 @@ rate against the copy bandwidth measured here:
 
 - ``linear``: ``F.linear(x, w)``, the dense linear method's call (``x @ w.T``);
 - ``mv``: ``torch.mv(w, x[0])`` (one row);
-- ``w_x``: ``(w @ x.T).T``, the transposed product (cuBLAS sees N rows and M columns).
+- ``w_x``: ``(w @ x.T).T``, the transposed product (cuBLAS sees N rows and M columns);
+- ``splitS``: split-K by the caller, ``torch.bmm`` over S strided K-slices of the same
+  ``w`` (no copy), giving S partial products ``[S, M, N]`` that the next kernel would sum
+  (timed without the sum); ``splitS+sum`` adds the sum as its own kernel.
 
-    python bench/gemm_rows.py [--out-dir DIR] [--rows 1,4]
+``--shapes tp2`` times the per-rank shapes at two-way tensor parallelism (qkv and
+gate_up with half the outputs, o and down with half the inputs, the head half the vocabulary).
+
+    python bench/gemm_rows.py [--out-dir DIR] [--rows 1,4] [--variants ...] [--shapes 8b|tp2]
 """
 
 from __future__ import annotations
@@ -39,15 +45,50 @@ L2_MULTIPLE = 4  # the copies a graph cycles through hold this many times the L2
 REPLAYS = 30
 
 Variant = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def split_k_partials(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T`` as ``splits`` partial products ``[splits, M, N]`` (one
+    batched GEMM over strided views of K's slices: nothing is copied)."""
+    m, k = x.shape
+    n = w.shape[0]
+    xs = x.view(m, splits, k // splits).transpose(0, 1)
+    ws = w.view(n, splits, k // splits).permute(1, 2, 0)
+    return torch.bmm(xs, ws)
+
+
+def _split(s: int, summed: bool) -> Variant:
+    if summed:
+        return lambda x, w: split_k_partials(x, w, s).sum(0)
+    return lambda x, w: split_k_partials(x, w, s)
+
+
 VARIANTS: dict[str, Variant] = {
     "linear": lambda x, w: F.linear(x, w),
     "mv": lambda x, w: torch.mv(w, x[0]).unsqueeze(0),
     "w_x": lambda x, w: (w @ x.t()).t(),
+    **{f"split{s}": _split(s, False) for s in (2, 3, 4, 8)},
+    **{f"split{s}+sum": _split(s, True) for s in (2, 4)},
 }
 
 
-def applies(variant: str, rows: int) -> bool:
+def applies(variant: str, rows: int, k: int) -> bool:
+    if variant.startswith("split"):
+        return k % int(variant[5:].split("+")[0]) == 0
     return variant != "mv" or rows == 1
+
+
+def shapes(which: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) per rank: the 8B model's, or its per-rank shapes at TP=2."""
+    if which == "8b":
+        return list(LAYERS)
+    half_out = {"qkv", "gate_up", "head"}
+    return [(name, n // 2, k) if name in half_out else (name, n, k // 2) for name, n, k in LAYERS]
+
+
+def result(y: torch.Tensor) -> torch.Tensor:
+    """A variant's ``[M, N]`` result in fp32 (partials summed)."""
+    return y.float().sum(0) if y.dim() == 3 else y.float()
 
 
 def copies_for(nbytes: int, l2_bytes: int) -> int:
@@ -107,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=Path("."))
     ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--shapes", choices=("8b", "tp2"), default="8b")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -118,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "copy_gb_per_s": copy,
         "l2_bytes": props.L2_cache_size,
+        "shapes": args.shapes,
     }
     print(json.dumps(meta), flush=True)
     rows_out = []
-    for name, n, k in LAYERS:
+    chosen = args.variants.split(",")
+    for name, n, k in shapes(args.shapes):
         nbytes = n * k * 2
         weights = [
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -130,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ weights[0].float().t()
-            for variant, fn in VARIANTS.items():
-                if not applies(variant, m):
+            for variant in chosen:
+                fn = VARIANTS[variant]
+                if not applies(variant, m, k):
                     continue
-                err = ((fn(x, weights[0]).float() - ref).norm() / ref.norm()).item()
+                err = ((result(fn(x, weights[0])) - ref).norm() / ref.norm()).item()
                 t = time_variant(fn, x, weights)
                 row = {"layer": name, "m": m, "variant": variant, **t, "rel_error": err,
                        "gb_per_s": nbytes / (t["us"] / 1e6) / 1e9,
@@ -141,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["fraction_of_copy"] = row["gb_per_s"] / copy
                 rows_out.append(row)
                 print(
-                    f"{name:8s} M={m:<3d} {variant:7s} {t['us']:8.1f} us "
+                    f"{name:8s} M={m:<3d} {variant:11s} {t['us']:8.1f} us "
                     f"{row['gb_per_s']:7.0f} GB/s ({row['fraction_of_copy']:.0%} of copy) "
                     f"err {err:.1e}  {' + '.join(row['kernels'])}",
                     flush=True,
@@ -149,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         del weights
         torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "gemm_rows.json").write_text(json.dumps({"meta": meta, "rows": rows_out}))
+    name = "gemm_rows.json" if args.shapes == "8b" else f"gemm_rows_{args.shapes}.json"
+    (args.out_dir / name).write_text(json.dumps({"meta": meta, "rows": rows_out}))
     return 0
 
 
