@@ -14,7 +14,8 @@ rate against the copy bandwidth measured here:
 - ``w_x``: ``(w @ x.T).T``, the transposed product (cuBLAS sees N rows and M columns);
 - ``splitS``: split-K by the caller, ``torch.bmm`` over S strided K-slices of the same
   ``w`` (no copy), giving S partial products ``[S, M, N]`` that the next kernel would sum
-  (timed without the sum); ``splitS+sum`` adds the sum as its own kernel.
+  (timed without the sum); ``splitS+sum`` adds the sum as its own kernel; ``splitSf``
+  the partials in fp32 (``torch.bmm(..., out_dtype=torch.float32)``).
 
 ``--shapes tp2`` times the per-rank shapes at two-way tensor parallelism (qkv and
 gate_up with half the outputs, o and down with half the inputs, the head half the vocabulary).
@@ -47,20 +48,23 @@ REPLAYS = 30
 Variant = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def split_k_partials(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+def split_k_partials(
+    x: torch.Tensor, w: torch.Tensor, splits: int, fp32: bool = False
+) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` as ``splits`` partial products ``[splits, M, N]`` (one
-    batched GEMM over strided views of K's slices: nothing is copied)."""
+    batched GEMM over strided views of K's slices: nothing is copied); ``fp32``: the
+    partials in fp32 (``out_dtype``), else in ``x``'s dtype."""
     m, k = x.shape
     n = w.shape[0]
     xs = x.view(m, splits, k // splits).transpose(0, 1)
     ws = w.view(n, splits, k // splits).permute(1, 2, 0)
-    return torch.bmm(xs, ws)
+    return torch.bmm(xs, ws, out_dtype=torch.float32) if fp32 else torch.bmm(xs, ws)
 
 
-def _split(s: int, summed: bool) -> Variant:
+def _split(s: int, summed: bool, fp32: bool = False) -> Variant:
     if summed:
-        return lambda x, w: split_k_partials(x, w, s).sum(0)
-    return lambda x, w: split_k_partials(x, w, s)
+        return lambda x, w: split_k_partials(x, w, s, fp32).sum(0)
+    return lambda x, w: split_k_partials(x, w, s, fp32)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -69,12 +73,13 @@ VARIANTS: dict[str, Variant] = {
     "w_x": lambda x, w: (w @ x.t()).t(),
     **{f"split{s}": _split(s, False) for s in (2, 3, 4, 8)},
     **{f"split{s}+sum": _split(s, True) for s in (2, 4)},
+    **{f"split{s}f": _split(s, False, fp32=True) for s in (2, 4)},
 }
 
 
 def applies(variant: str, rows: int, k: int) -> bool:
     if variant.startswith("split"):
-        return k % int(variant[5:].split("+")[0]) == 0
+        return k % int(variant[5:].split("+")[0].rstrip("f")) == 0
     return variant != "mv" or rows == 1
 
 
