@@ -15,7 +15,8 @@ rate against the copy bandwidth measured here:
 - ``splitS``: split-K by the caller, ``torch.bmm`` over S strided K-slices of the same
   ``w`` (no copy), giving S partial products ``[S, M, N]`` that the next kernel would sum
   (timed without the sum); ``splitS+sum`` adds the sum as its own kernel; ``splitSf``
-  the partials in fp32 (``torch.bmm(..., out_dtype=torch.float32)``).
+  the partials in fp32 (``torch.bmm(..., out_dtype=torch.float32)``), the engine's
+  ``split_k_products``.
 
 ``--shapes tp2`` times the per-rank shapes at two-way tensor parallelism (qkv and
 gate_up with half the outputs, o and down with half the inputs, the head half the vocabulary).
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscale.kernels.testing import LLAMA_8B_LINEARS
+from kvscale.server.quantization.dense import split_k_products
 
 HIDDEN, VOCAB = 4096, 128256
 LAYERS = (  # (name, N, K) of the 8B model's GEMMs: y[M, N] = x[M, K] @ w[N, K].T
@@ -53,12 +55,15 @@ def split_k_partials(
 ) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` as ``splits`` partial products ``[splits, M, N]`` (one
     batched GEMM over strided views of K's slices: nothing is copied); ``fp32``: the
-    partials in fp32 (``out_dtype``), else in ``x``'s dtype."""
+    partials in fp32, as the engine's dense layers run them (``split_k_products``), else
+    in ``x``'s dtype."""
+    if fp32:
+        return split_k_products(x, w, splits)
     m, k = x.shape
     n = w.shape[0]
     xs = x.view(m, splits, k // splits).transpose(0, 1)
     ws = w.view(n, splits, k // splits).permute(1, 2, 0)
-    return torch.bmm(xs, ws, out_dtype=torch.float32) if fp32 else torch.bmm(xs, ws)
+    return torch.bmm(xs, ws)
 
 
 def _split(s: int, summed: bool, fp32: bool = False) -> Variant:

@@ -788,6 +788,22 @@ plan_r50() {
   bench tp 300 ceilings,tp1,tp2
 }
 
+# r53 and r54 (one H100, single device calls): bench/gemm_rows.py's split-K variants (the
+# 8B shapes and TP=2's per-rank shapes), the second with fp32 products (NOTES e51).
+# r55 (one H100, issue 23; NOTES e51): o_proj's and down_proj's split-K products summed by
+# the norm after them: the engine, piecewise and speculative GPU tests and the norm's kernel
+# tests natively; C with the products off and on in alternation; C's decode step by
+# kernel; C, A and B.
+plan_r55() {
+  facts
+  ckpt_beside tests-gpu 480 "${PT[@]}" tests/gpu/test_engine_cuda.py \
+    tests/gpu/test_piecewise_cuda.py tests/gpu/test_spec_cuda.py
+  step tests-elementwise 150 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_elementwise.py
+  bench split-k 480 split-k
+  bench decode-kernels 240 decode-kernels
+  bench ours 480 ours
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

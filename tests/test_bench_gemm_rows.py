@@ -15,11 +15,20 @@ def test_every_variant_computes_x_times_w_transposed(m: int) -> None:
     x, w = torch.randn(m, 64), torch.randn(48, 64)
     want = x @ w.t()
     for name, fn in gr.VARIANTS.items():
-        if gr.applies(name, m):
+        if gr.applies(name, m, 64):
             got = fn(x, w)
-            assert got.shape == (m, 48), name
-            torch.testing.assert_close(got, want, msg=name)
-    assert gr.applies("mv", 1) and not gr.applies("mv", 4)
+            split = name.startswith("split") and "+sum" not in name
+            assert got.shape == ((int(name[5]), m, 48) if split else (m, 48)), name
+            torch.testing.assert_close(gr.result(got), want, msg=name)
+    assert gr.applies("mv", 1, 64) and not gr.applies("mv", 4, 64)
+    assert gr.applies("split4f", 1, 64) and not gr.applies("split3", 1, 64)
+
+
+def test_tp2_shapes_halve_each_rank_s_share() -> None:
+    full = {name: (n, k) for name, n, k in gr.shapes("8b")}
+    for name, n, k in gr.shapes("tp2"):
+        columns = name in ("qkv", "gate_up", "head")
+        assert (n, k) == ((full[name][0] // 2, k) if columns else (n, full[name][1] // 2))
 
 
 def test_each_graph_cycles_through_over_four_l2s_of_weights() -> None:
