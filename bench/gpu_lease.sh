@@ -804,6 +804,19 @@ plan_r55() {
   bench ours 480 ours
 }
 
+# r56 (one H100, issue 23; NOTES e51): r55's C did not move while its decode step's kernels
+# summed 0.15 ms less than r28's (another machine): C's decode step by kernel with the
+# products off and on, on one machine, and C off/on alternated twice more.
+plan_r56() {
+  facts
+  ckpt_write 300
+  step decode-kernels-off 240 env KVSCALE_SPLIT_K=1 python3 bench/engine_bench.py \
+    --out-dir "$RES/off" --ckpt "$CKPT" --phases decode-kernels
+  step decode-kernels-on 240 python3 bench/engine_bench.py --out-dir "$RES/on" --ckpt "$CKPT" \
+    --phases decode-kernels
+  bench split-k 480 split-k
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
