@@ -129,8 +129,7 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
 TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce")  # two GPUs; run by name only
-# comparisons of one change, run by name only (not in all)
-NAMED_PHASES = ("spec-device", "split-k")
+NAMED_PHASES = ("spec-device",)  # comparisons of one change, run by name only (not in all)
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
@@ -1198,33 +1197,6 @@ def phase_ours(ckpt: Path, workloads: str = "CAB", **kw: Any) -> dict[str, Any]:
     return res
 
 
-def phase_split_k(ckpt: Path, rounds: int = 2) -> dict[str, Any]:
-    """C with o_proj's and down_proj's split-K products off (``KVSCALE_SPLIT_K=1``: one
-    cuBLAS call each, with its own split-K reduction) and on (the default, or the
-    caller's ``KVSCALE_SPLIT_K``: the products summed by the norm after them), an engine
-    for each, built in alternation; medians."""
-    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    for _ in range(rounds):
-        for mode in ("off", "on"):
-            caller = os.environ.get("KVSCALE_SPLIT_K")
-            if mode == "off":
-                os.environ["KVSCALE_SPLIT_K"] = "1"
-            try:
-                llm = _llm(ckpt, cuda_graph_max_batch=16)
-            finally:
-                os.environ.pop("KVSCALE_SPLIT_K", None)
-                if caller is not None:
-                    os.environ["KVSCALE_SPLIT_K"] = caller
-            split = llm.engine.worker.model.model.layers[0].mlp.down_proj.split_k
-            runs[mode].append({**_latency(llm), "split_k": split})
-            _close(llm)
-            del llm
-    return {
-        "runs": runs,
-        "tpot_ms": {m: statistics.median(r["tpot_ms"] for r in rs) for m, rs in runs.items()},
-    }
-
-
 def phase_piecewise(ckpt: Path, cache_dir: Path) -> dict[str, Any]:
     """B with the default mode and with piecewise graphs, in that order on one lease; the
     piecewise engine starts on an empty compile cache (phase ``piecewise-warm``, in a
@@ -1827,7 +1799,6 @@ def main(argv: list[str] | None = None) -> int:
         "spec-device": lambda: spec_bench.phase_spec_device(
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close
         ),
-        "split-k": lambda: phase_split_k(ckpt),
     }
     for name in phases:
         path = out / f"phase_{name}.json"

@@ -15,8 +15,7 @@ rate against the copy bandwidth measured here:
 - ``splitS``: split-K by the caller, ``torch.bmm`` over S strided K-slices of the same
   ``w`` (no copy), giving S partial products ``[S, M, N]`` that the next kernel would sum
   (timed without the sum); ``splitS+sum`` adds the sum as its own kernel; ``splitSf``
-  the partials in fp32 (``torch.bmm(..., out_dtype=torch.float32)``), the engine's
-  ``split_k_products``.
+  the partials in fp32 (``torch.bmm(..., out_dtype=torch.float32)``).
 
 ``--shapes tp2`` times the per-rank shapes at two-way tensor parallelism (qkv and
 gate_up with half the outputs, o and down with half the inputs, the head half the vocabulary).
@@ -37,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from kvscale.kernels.testing import LLAMA_8B_LINEARS
-from kvscale.server.quantization.dense import split_k_products
 
 HIDDEN, VOCAB = 4096, 128256
 LAYERS = (  # (name, N, K) of the 8B model's GEMMs: y[M, N] = x[M, K] @ w[N, K].T
@@ -55,15 +53,16 @@ def split_k_partials(
 ) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` as ``splits`` partial products ``[splits, M, N]`` (one
     batched GEMM over strided views of K's slices: nothing is copied); ``fp32``: the
-    partials in fp32, as the engine's dense layers run them (``split_k_products``), else
-    in ``x``'s dtype."""
-    if fp32:
-        return split_k_products(x, w, splits)
+    partials in fp32 (``out_dtype``), else in ``x``'s dtype."""
     m, k = x.shape
     n = w.shape[0]
     xs = x.view(m, splits, k // splits).transpose(0, 1)
     ws = w.view(n, splits, k // splits).permute(1, 2, 0)
-    return torch.bmm(xs, ws)
+    if not fp32:
+        return torch.bmm(xs, ws)
+    if x.is_cuda:
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    return torch.bmm(xs.float(), ws.float())  # (no out_dtype on the CPU: for the tests)
 
 
 def _split(s: int, summed: bool, fp32: bool = False) -> Variant:

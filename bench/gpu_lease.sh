@@ -790,32 +790,10 @@ plan_r50() {
 
 # r53 and r54 (one H100, single device calls): bench/gemm_rows.py's split-K variants (the
 # 8B shapes and TP=2's per-rank shapes), the second with fp32 products (NOTES e51).
-# r55 (one H100, issue 23; NOTES e51): o_proj's and down_proj's split-K products summed by
-# the norm after them: the engine, piecewise and speculative GPU tests and the norm's kernel
-# tests natively; C with the products off and on in alternation; C's decode step by
-# kernel; C, A and B.
-plan_r55() {
-  facts
-  ckpt_beside tests-gpu 480 "${PT[@]}" tests/gpu/test_engine_cuda.py \
-    tests/gpu/test_piecewise_cuda.py tests/gpu/test_spec_cuda.py
-  step tests-elementwise 150 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_elementwise.py
-  bench split-k 480 split-k
-  bench decode-kernels 240 decode-kernels
-  bench ours 480 ours
-}
-
-# r56 (one H100, issue 23; NOTES e51): r55's C did not move while its decode step's kernels
-# summed 0.15 ms less than r28's (another machine): C's decode step by kernel with the
-# products off and on, on one machine, and C off/on alternated twice more.
-plan_r56() {
-  facts
-  ckpt_write 300
-  step decode-kernels-off 240 env KVSCALE_SPLIT_K=1 python3 bench/engine_bench.py \
-    --out-dir "$RES/off" --ckpt "$CKPT" --phases decode-kernels
-  step decode-kernels-on 240 python3 bench/engine_bench.py --out-dir "$RES/on" --ckpt "$CKPT" \
-    --phases decode-kernels
-  bench split-k 480 split-k
-}
+# r55 and r56 ran at 2b7d865 and 18b2d7a (plan_r55, plan_r56 there): split-K products for
+# o_proj and down_proj summed by the norm after them (the engine, piecewise and speculative
+# GPU tests, the norm's kernel tests natively, C off/on alternated, C's decode step by
+# kernel off and on, C/A/B); removed after them (NOTES e51 measured).
 
 case "$1" in
   start)

@@ -59,29 +59,19 @@ def _fused_add_rms_norm_kernel(
     x_ptr,
     res_ptr,
     w_ptr,
-    out_ptr,
     num_rows,
     hidden,
     eps,
     stride_x,
-    stride_p,
     stride_r,
-    stride_o,
-    PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = (offs < hidden) & (row < num_rows)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    for p in tl.static_range(1, PARTS):
-        x += tl.load(x_ptr + p * stride_p + row * stride_x + offs, mask=mask, other=0.0).to(
-            tl.float32
-        )
-    # the layer's output, rounded as its one product would have been (exact for 16-bit x)
-    x = x.to(res_ptr.dtype.element_ty).to(tl.float32)
     add_rms_norm_row(
-        x, res_ptr + row * stride_r, w_ptr, out_ptr + row * stride_o, offs, mask, hidden, eps
+        x, res_ptr + row * stride_r, w_ptr, x_ptr + row * stride_x, offs, mask, hidden, eps
     )
 
 
@@ -156,36 +146,21 @@ def fused_add_rms_norm(
     if residual.shape != x.shape or weight.shape != (hidden,):
         raise ValueError("x, residual must be [..., H] of one shape and weight [H]")
     x2 = x.view(-1, hidden)
-    _launch_add_rms_norm(x2.unsqueeze(0), residual.view(-1, hidden), weight, eps, x2)
-
-
-def fused_add_rms_norm_parts(
-    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """``parts [S, T, H]``: a layer's output as S partial products (split-K, any float
-    dtype, usually fp32). ``residual [T, H]`` <- their sum, rounded to the residual's
-    dtype, + residual (in place); returns ``rms_norm(residual, weight, eps)`` ``[T, H]``
-    in the residual's dtype. With S = 1 and parts in that dtype: :func:`fused_add_rms_norm`."""
-    if parts.dim() != 3 or parts.shape[1:] != residual.shape or weight.shape != (parts.shape[-1],):
-        raise ValueError("parts must be [S, T, H] over residual [T, H], weight [H]")
-    out = torch.empty_like(residual)
-    _launch_add_rms_norm(parts, residual, weight, eps, out)
-    return out
-
-
-def _launch_add_rms_norm(
-    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
-) -> None:
-    """One program a row: ``out <- norm(residual <- sum(parts) + residual)``."""
-    hidden = residual.shape[-1]
-    if parts.stride(-1) != 1 or residual.stride(-1) != 1 or out.stride(-1) != 1:
+    r2 = residual.view(-1, hidden)
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1:
         raise ValueError("x and residual need a contiguous last dim")
-    rows = residual.shape[0]
-    if rows > 0:
-        _fused_add_rms_norm_kernel[(rows,)](
-            parts, residual, weight, out, rows, hidden, eps, parts.stride(1), parts.stride(0),
-            residual.stride(0), out.stride(0), PARTS=parts.shape[0], **row_launch_opts(hidden),
-        )  # fmt: skip
+    if x2.shape[0] > 0:
+        _fused_add_rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            r2,
+            weight,
+            x2.shape[0],
+            hidden,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            **row_launch_opts(hidden),
+        )
 
 
 def fused_add_rms_norm_quant(
@@ -234,14 +209,6 @@ def fused_add_rms_norm_ref(
     """Reference of :func:`fused_add_rms_norm` (in place)."""
     residual.copy_(x + residual)
     x.copy_(rms_norm_ref(residual, weight, eps))
-
-
-def fused_add_rms_norm_parts_ref(
-    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """Reference of :func:`fused_add_rms_norm_parts`."""
-    residual.copy_(parts.float().sum(0).to(residual.dtype) + residual)
-    return rms_norm_ref(residual, weight, eps)
 
 
 def fused_add_rms_norm_quant_ref(

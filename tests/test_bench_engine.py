@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -291,25 +290,6 @@ def test_tp2_phase_runs_an_engine_over_two_cpu_ranks(
     res = eb.phase_ours(llama_ckpt, "CA", tensor_parallel_size=2)
     assert res["A"]["output_tokens"] == 4 * 3 and res["A"]["steps"]["num_steps"] > 0
     assert res["latency"]["tpot_ms"] > 0
-
-
-def test_split_k_phase_builds_engines_off_and_on_in_alternation(
-    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On the CPU the default is off, so "on" is forced here; the phase's own setting of
-    ``KVSCALE_SPLIT_K`` is what each engine gets, and the caller's is left as it was."""
-    from kvscale.server import LLM
-
-    monkeypatch.setattr(eb, "C_SHAPE", (12, 4))
-    monkeypatch.setattr(
-        eb, "_llm", lambda ckpt, **kw: LLM(str(ckpt), device="cpu", num_kv_blocks=64, **kw)
-    )
-    monkeypatch.setenv("KVSCALE_SPLIT_K", "4")
-    res = eb.phase_split_k(llama_ckpt, rounds=1)
-    assert [r["split_k"] for r in res["runs"]["off"]] == [1]
-    assert [r["split_k"] for r in res["runs"]["on"]] == [4]  # the default: the caller's 4
-    assert res["tpot_ms"]["off"] > 0 and res["tpot_ms"]["on"] > 0
-    assert os.environ["KVSCALE_SPLIT_K"] == "4"
 
 
 def test_report_rows_of_the_piecewise_phases() -> None:

@@ -31,13 +31,7 @@ class RMSNorm(nn.Module):
         all-reduce + add + RMSNorm where the ranks can (``ParallelState``).
         ``fp8_group``: the next layer's ``fp8_input_group``; with ``residual`` and no
         ``partial``, the norm comes back quantized so (``Fp8Activation``) from the
-        norm's own kernel, where the groups tile the row.
-        ``x [S, T, H]`` (with ``residual``): a layer's split-K products
-        (``RowParallelLinear.split_k``), summed by the norm's kernel."""
-        if x.dim() == 3 and residual is not None:
-            if partial is None and fp8_group is None:
-                return ops.fused_add_rms_norm_parts(x, residual, self.weight, self.eps), residual
-            x = x.float().sum(0).to(residual.dtype)
+        norm's own kernel, where the groups tile the row."""
         if residual is None:
             if partial is not None:
                 x = partial.all_reduce(x)

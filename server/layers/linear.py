@@ -212,19 +212,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
 
 
-# Split-K partial products (``split_k``) at up to this many rows: the decode steps of small
-# batches and their verify steps, where cuBLAS would add a reduction kernel of its own.
-SPLIT_K_MAX_ROWS = 8
-
-
 class RowParallelLinear(LinearBase):
     """Splits the input dimension; partial outputs are summed over ranks, then bias added
-    (once, after the sum).
-
-    ``split_k`` > 1 (no bias, one rank, a consumer that sums): at up to
-    ``SPLIT_K_MAX_ROWS`` rows of input the output comes back as ``[split_k, T, out]``
-    fp32 products of slices of the input dimension (``LinearMethod.apply_split_k``), to
-    be summed by the kernel that reads it (the residual add + RMSNorm after it)."""
+    (once, after the sum)."""
 
     def __init__(
         self,
@@ -234,14 +224,10 @@ class RowParallelLinear(LinearBase):
         parallel: ParallelState,
         method: LinearMethod | None = None,
         reduce_results: bool = True,
-        split_k: int = 1,
     ) -> None:
         in_per_rank = parallel.shard(in_features, "in_features")
         super().__init__(in_per_rank, out_features, bias, parallel, method)
         self.reduce_results = reduce_results
-        if split_k > 1 and (bias or parallel.world_size > 1):
-            raise ValueError("split-K products need a layer without bias on one rank")
-        self.split_k = split_k
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -257,10 +243,6 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(dim, self.parallel.rank * size, size))
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        if self.split_k > 1 and isinstance(x, torch.Tensor) and x.shape[0] <= SPLIT_K_MAX_ROWS:
-            parts = self.linear_method.apply_split_k(self, x, self.split_k)
-            if parts is not None:
-                return parts
         y = self.linear_method.apply(self, x, None)
         if self.reduce_results:
             y = self.parallel.all_reduce(y)

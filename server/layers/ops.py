@@ -20,7 +20,6 @@ from kvscale.kernels import argmax as argmax_kernel
 
 rms_norm = rmsnorm.rms_norm_ref
 fused_add_rms_norm = rmsnorm.fused_add_rms_norm_ref
-fused_add_rms_norm_parts = rmsnorm.fused_add_rms_norm_parts_ref
 fused_add_rms_norm_quant = rmsnorm.fused_add_rms_norm_quant_ref
 silu_and_mul = activation.silu_and_mul_ref
 silu_and_mul_quant = activation.silu_and_mul_quant_ref
@@ -43,7 +42,6 @@ def use_kernels(enabled: bool) -> bool:
     globals().update(
         rms_norm=getattr(rmsnorm, "rms_norm" + suffix),
         fused_add_rms_norm=getattr(rmsnorm, "fused_add_rms_norm" + suffix),
-        fused_add_rms_norm_parts=getattr(rmsnorm, "fused_add_rms_norm_parts" + suffix),
         fused_add_rms_norm_quant=getattr(rmsnorm, "fused_add_rms_norm_quant" + suffix),
         silu_and_mul=getattr(activation, "silu_and_mul" + suffix),
         silu_and_mul_quant=getattr(activation, "silu_and_mul_quant" + suffix),

@@ -9,7 +9,6 @@ the checkpoint's quantization (``QuantizationConfig``, None: dense) by its name.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable
 
@@ -43,21 +42,6 @@ def partial_sum(parallel: ParallelState, bias: bool) -> ParallelState | None:
     return parallel if parallel.world_size > 1 and not bias else None
 
 
-def default_split_k(parallel: ParallelState) -> int:
-    """Split-K products for o_proj and down_proj at few rows (``RowParallelLinear``): 2 on
-    one CUDA rank, where cuBLAS measured faster so (``bench/gemm_rows.py``), else 1 (off).
-    ``KVSCALE_SPLIT_K`` sets the count (1: off). Built under the model's device."""
-    on_gpu = torch.get_default_device().type == "cuda" and parallel.world_size == 1
-    raw = os.environ.get("KVSCALE_SPLIT_K", "2" if on_gpu else "1")
-    try:
-        parts = int(raw)
-    except ValueError:
-        raise ValueError(f"KVSCALE_SPLIT_K must be a whole number >= 1, got {raw!r}") from None
-    if parts < 1:
-        raise ValueError(f"KVSCALE_SPLIT_K must be a whole number >= 1, got {raw!r}")
-    return parts if parallel.world_size == 1 else 1
-
-
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -65,7 +49,6 @@ class LlamaAttention(nn.Module):
         parallel: ParallelState,
         quant: QuantizationConfig | None,
         prefix: str,
-        split_k: int = 1,
     ) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
@@ -88,7 +71,6 @@ class LlamaAttention(nn.Module):
             parallel,
             _method(quant, f"{prefix}.o_proj"),
             reduce_results=partial_sum(parallel, cfg.o_bias) is None,
-            split_k=1 if cfg.o_bias else split_k,
         )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -110,7 +92,6 @@ class LlamaMLP(nn.Module):
         parallel: ParallelState,
         quant: QuantizationConfig | None,
         prefix: str,
-        split_k: int = 1,
     ) -> None:
         super().__init__()
         size = cfg.intermediate_size
@@ -128,7 +109,6 @@ class LlamaMLP(nn.Module):
             parallel,
             _method(quant, f"{prefix}.down_proj"),
             reduce_results=partial_sum(parallel, cfg.mlp_bias) is None,
-            split_k=1 if cfg.mlp_bias else split_k,
         )
         self.act = SiluAndMul()
 
@@ -143,11 +123,10 @@ class LlamaDecoderLayer(nn.Module):
         parallel: ParallelState,
         quant: QuantizationConfig | None,
         prefix: str,
-        split_k: int = 1,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, parallel, quant, f"{prefix}.self_attn", split_k)
-        self.mlp = LlamaMLP(cfg, parallel, quant, f"{prefix}.mlp", split_k)
+        self.self_attn = LlamaAttention(cfg, parallel, quant, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, parallel, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # the ranks that the attention's and the MLP's outputs are partial sums over
@@ -175,16 +154,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self,
-        cfg: ModelConfig,
-        parallel: ParallelState,
-        quant: QuantizationConfig | None,
-        split_k: int = 1,
+        self, cfg: ModelConfig, parallel: ParallelState, quant: QuantizationConfig | None
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, parallel, quant, f"model.layers.{i}", split_k)
+            LlamaDecoderLayer(cfg, parallel, quant, f"model.layers.{i}")
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -217,15 +192,10 @@ class LlamaForCausalLM(nn.Module):
         cfg: ModelConfig,
         parallel: ParallelState,
         quant: QuantizationConfig | None = None,
-        split_k: int | None = None,
     ) -> None:
-        """``split_k``: o_proj's and down_proj's split-K products at few rows
-        (``RowParallelLinear``); None: :func:`default_split_k`."""
         super().__init__()
         self.config = cfg
-        if split_k is None:
-            split_k = default_split_k(parallel)
-        self.model = LlamaModel(cfg, parallel, quant, split_k)
+        self.model = LlamaModel(cfg, parallel, quant)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -50,12 +50,6 @@ class LinearMethod(ABC):
         """``x [T, in]`` -> ``[T, out]`` in ``x``'s dtype (an ``Fp8Activation``'s
         ``dtype`` where ``fp8_input_group`` takes one)."""
 
-    def apply_split_k(self, layer: nn.Module, x: torch.Tensor, parts: int) -> torch.Tensor | None:
-        """``x [T, in]`` -> ``[parts, T, out]``: the products of ``parts`` equal slices of
-        the input dimension, for a consumer that sums them (split-K without its own
-        reduction kernel); None where this method has no such form (then ``apply``)."""
-        return None
-
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
         """Repacks loaded weights for the kernels (optional)."""
 

@@ -13,8 +13,6 @@ from kvscale.kernels.fp8 import quantize_groups
 from kvscale.kernels.rmsnorm import (
     fp8_group_fusable,
     fused_add_rms_norm,
-    fused_add_rms_norm_parts,
-    fused_add_rms_norm_parts_ref,
     fused_add_rms_norm_quant,
     fused_add_rms_norm_quant_ref,
     fused_add_rms_norm_ref,
@@ -64,45 +62,6 @@ def test_fused_add_rms_norm(dtype: torch.dtype, hidden: int, device: torch.devic
     fused_add_rms_norm_ref(x_r, r_r, weight, 1e-6)
     torch.testing.assert_close(r_k, r_r, atol=0, rtol=0)
     torch.testing.assert_close(x_k, x_r, **_tight(dtype))
-
-
-@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
-@pytest.mark.parametrize("num_parts", [1, 2, 3])
-@pytest.mark.parametrize("hidden", [64, 1000])
-def test_fused_add_rms_norm_parts(
-    dtype: torch.dtype, num_parts: int, hidden: int, device: torch.device
-) -> None:
-    """A split-K layer's fp32 products: summed, rounded to the residual's dtype, added."""
-    parts = torch.randn(num_parts, 6, hidden, dtype=torch.float32, device=device)
-    res = torch.randn(6, hidden, dtype=dtype, device=device)
-    weight = torch.randn(hidden, dtype=dtype, device=device)
-    r_k, r_r = res.clone(), res.clone()
-    out_k = fused_add_rms_norm_parts(parts, r_k, weight, 1e-6)
-    out_r = fused_add_rms_norm_parts_ref(parts, r_r, weight, 1e-6)
-    # the sum of up to 3 fp32 products in another order may round to the next 16-bit value
-    exact = dtype == torch.float32 or num_parts < 3
-    torch.testing.assert_close(r_k, r_r, **({"atol": 0, "rtol": 0} if exact else _tight(dtype)))
-    torch.testing.assert_close(out_k, out_r, **_tight(dtype))
-    assert out_k.dtype == dtype and out_k.shape == res.shape
-    # the sum really enters: dropping the last product changes the residual
-    if num_parts > 1:
-        r_d = res.clone()
-        fused_add_rms_norm_parts_ref(parts[:-1], r_d, weight, 1e-6)
-        assert not torch.allclose(r_d, r_k)
-
-
-@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
-def test_fused_add_rms_norm_one_part_is_fused_add_rms_norm(
-    dtype: torch.dtype, device: torch.device
-) -> None:
-    """One product in the residual's dtype gives :func:`fused_add_rms_norm`'s bits."""
-    x = torch.randn(5, 256, dtype=dtype, device=device)
-    res = torch.randn(5, 256, dtype=dtype, device=device)
-    weight = torch.randn(256, dtype=dtype, device=device)
-    r_a, r_b, x_a = res.clone(), res.clone(), x.clone()
-    fused_add_rms_norm(x_a, r_a, weight, 1e-6)
-    out = fused_add_rms_norm_parts(x.unsqueeze(0), r_b, weight, 1e-6)
-    assert torch.equal(r_a, r_b) and torch.equal(x_a, out)
 
 
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
