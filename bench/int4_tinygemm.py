@@ -1,0 +1,130 @@
+"""The W4A16 GEMV against PyTorch's own int4 kernel (tinygemm, ``_weight_int4pack_mm``).
+
+int4 C is 0.57x of bf16 against a 0.45x target, its GEMV at ~46% of copy bandwidth
+(NOTES e41-e46). PyTorch ships a CUDA int4 weight-only kernel (gpt-fast's and torchao's
+``int4wo``) with its own packed layout. Per 8B layer at one row (group 128, symmetric and
+with zero points): each kernel's time per call from CUDA-graph replays cycling through
+enough weight copies (over 4x the L2) that every call reads its weights from memory
+(``gemm_rows.time_variant``), its bytes' rate against the copy bandwidth, and its error
+against the fp32 product with the dequantized weights.
+
+    python bench/int4_tinygemm.py [--out-dir DIR] [--rows 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_rows import copies_for, copy_gb_per_s, time_variant
+
+from kvscale.kernels.testing import LLAMA_8B_LINEARS
+from kvscale.kernels.w4a16 import w4a16_gemm
+
+GROUP = 128
+INNER_K_TILES = 8
+
+
+def pack_gptq(codes: torch.Tensor) -> torch.Tensor:
+    """``codes [N, K]`` (0..15) -> our layout's ``qweight [K/8, N]`` int32."""
+    n, k = codes.shape
+    c = codes.t().reshape(k // 8, 8, n).to(torch.int32)
+    word = torch.zeros(k // 8, n, dtype=torch.int32, device=codes.device)
+    for j in range(8):
+        word |= c[:, j] << (4 * j)
+    return word
+
+
+def pack_tinygemm(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``codes [N, K]``, ``scales``/``zeros [G, N]`` -> tinygemm's packed weight and its
+    ``[G, N, 2]`` bf16 (scale, offset), where ``w = (code - 8) * scale + offset``."""
+    w_uint8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack(w_uint8, INNER_K_TILES)
+    offset = (8 - zeros.float()) * scales
+    sz = torch.stack([scales, offset], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, sz
+
+
+def dequant(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` fp32: ``(code - zero) * scale`` per group of K."""
+    g = torch.arange(codes.shape[1], device=codes.device) // GROUP
+    return (codes.float() - zeros.float().t()[:, g]) * scales.t()[:, g]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=Path("."))
+    ap.add_argument("--rows", default="1")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(0)
+    copy = copy_gb_per_s()
+    meta = {
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "copy_gb_per_s": copy,
+        "group": GROUP,
+    }
+    print(json.dumps(meta), flush=True)
+    rows_out = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, k, n in LLAMA_8B_LINEARS:
+        nbytes = n * k // 2 + 2 * (k // GROUP) * n * 2  # codes, scales and offsets
+        codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.int32)
+        scales = torch.rand(k // GROUP, n, device="cuda", generator=gen) * 0.02 + 0.001
+        for zero_kind in ("symmetric", "zeros"):
+            if zero_kind == "symmetric":
+                zeros = torch.full((k // GROUP, n), 8, device="cuda", dtype=torch.uint8)
+            else:
+                zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda", generator=gen)
+                zeros = zeros.to(torch.uint8)
+            w = dequant(codes, scales, zeros)
+            qweight = pack_gptq(codes)
+            packed, sz = pack_tinygemm(codes, scales, zeros)
+            copies = copies_for(nbytes, props.L2_cache_size)
+            ours_w = [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(copies)]
+            tiny_w = [(packed.clone(), sz.clone()) for _ in range(copies)]
+            zp = None if zero_kind == "symmetric" else 0
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                ref = x.float() @ w.t()
+
+                def ours(x: torch.Tensor, wt: tuple, zp: int | None = zp) -> torch.Tensor:
+                    return w4a16_gemm(x, wt[0], wt[1], None if zp is None else wt[2], GROUP)
+
+                def tiny(x: torch.Tensor, wt: tuple) -> torch.Tensor:
+                    return torch.ops.aten._weight_int4pack_mm(x, wt[0], GROUP, wt[1])
+
+                for kernel, fn, ws in (("ours", ours, ours_w), ("tinygemm", tiny, tiny_w)):
+                    err = ((fn(x, ws[0]).float() - ref).norm() / ref.norm()).item()
+                    t = time_variant(fn, x, ws)
+                    rate = nbytes / (t["us"] / 1e6) / 1e9
+                    row = {"layer": name, "m": m, "zeros": zero_kind, "kernel": kernel, **t,
+                           "rel_error": err, "gb_per_s": rate}  # fmt: skip
+                    row["fraction_of_copy"] = row["gb_per_s"] / copy
+                    rows_out.append(row)
+                    print(
+                        f"{name:8s} M={m} {zero_kind:9s} {kernel:8s} {t['us']:7.1f} us "
+                        f"{row['gb_per_s']:6.0f} GB/s ({row['fraction_of_copy']:.0%}) "
+                        f"err {err:.1e}",
+                        flush=True,
+                    )
+            del ours_w, tiny_w
+            torch.cuda.empty_cache()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "int4_tinygemm.json").write_text(json.dumps({"meta": meta, "rows": rows_out}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
