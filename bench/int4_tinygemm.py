@@ -26,9 +26,9 @@ from gemm_rows import copies_for, copy_gb_per_s, time_variant
 
 from kvscale.kernels.testing import LLAMA_8B_LINEARS
 from kvscale.kernels.w4a16 import w4a16_gemm
+from kvscale.server.quantization.int4 import tinygemm_pack, tinygemm_scales
 
 GROUP = 128
-INNER_K_TILES = 8
 
 
 def pack_gptq(codes: torch.Tensor) -> torch.Tensor:
@@ -39,18 +39,6 @@ def pack_gptq(codes: torch.Tensor) -> torch.Tensor:
     for j in range(8):
         word |= c[:, j] << (4 * j)
     return word
-
-
-def pack_tinygemm(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``codes [N, K]``, ``scales``/``zeros [G, N]`` -> tinygemm's packed weight and its
-    ``[G, N, 2]`` bf16 (scale, offset), where ``w = (code - 8) * scale + offset``."""
-    w_uint8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-    packed = torch.ops.aten._convert_weight_to_int4pack(w_uint8, INNER_K_TILES)
-    offset = (8 - zeros.float()) * scales
-    sz = torch.stack([scales, offset], dim=-1).to(torch.bfloat16).contiguous()
-    return packed, sz
 
 
 def dequant(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -90,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 zeros = zeros.to(torch.uint8)
             w = dequant(codes, scales, zeros)
             qweight = pack_gptq(codes)
-            packed, sz = pack_tinygemm(codes, scales, zeros)
+            packed, sz = tinygemm_pack(codes), tinygemm_scales(scales, zeros)
             copies = copies_for(nbytes, props.L2_cache_size)
             ours_w = [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(copies)]
             tiny_w = [(packed.clone(), sz.clone()) for _ in range(copies)]

@@ -550,3 +550,51 @@ def test_torch_compile_keeps_the_w4a16_op_opaque(
     assert "OptimizedModule" in type(compiled.engine.worker.model.model).__name__
     assert [o.outputs[0].token_ids for o in compiled.generate(PROMPTS[:4], params)] == eager
     assert len(calls) >= 4 * 2 * 4  # 4 linear layers x 2 decoder layers, every step
+
+
+# ---- tinygemm (PyTorch's CUDA int4 kernel) for one row on a GPU ---------------------------
+@pytest.mark.parametrize("sym", [True, False], ids=["symmetric", "zeros"])
+def test_tinygemm_scales_and_codes_give_the_dequantized_product(sym: bool) -> None:
+    """The (scale, offset) pairs and the codes read back from our layout, through
+    PyTorch's CPU twin of the kernel (same scale/offset format; codes as int32): the
+    product of the dequantized weights. The CUDA packing is checked on the GPU
+    (``tests/gpu/test_int4_cuda.py``)."""
+    from kvscale.kernels.w4a16 import pack_int4_rows, unpack_int4_rows
+    from kvscale.server.quantization.int4 import tinygemm_pack, tinygemm_scales
+
+    gen = torch.Generator().manual_seed(0)
+    k, n, group = 256, 64, 128
+    codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
+    zeros = None if sym else torch.randint(0, 16, (k // group, n), generator=gen).to(torch.uint8)
+    z = torch.full_like(scales, 8.0) if zeros is None else zeros.float()
+    rows = torch.arange(k) // group
+    w = (codes.float() - z[rows]) * scales[rows]  # [K, N]
+    x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+    want = x.float() @ w
+    back = unpack_int4_rows(pack_int4_rows(codes), k).t()  # [N, K], as finish() reads them
+    got = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, tinygemm_pack(back), group, tinygemm_scales(scales, zeros)
+    )
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_tinygemm_takes_only_what_its_layout_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvscale.server.quantization.int4 import tinygemm_fits, tinygemm_layout_fits
+
+    bf16 = torch.bfloat16
+    assert tinygemm_layout_fits(4096, 6144, 128, True, bf16)
+    assert not tinygemm_layout_fits(4096, 6144, 128, True, torch.float16)  # bf16 only
+    assert not tinygemm_layout_fits(4096, 6144, 128, False, bf16)  # act order
+    assert not tinygemm_layout_fits(4096, 6144, 4096, True, bf16)  # per-channel scales
+    assert not tinygemm_layout_fits(4096 + 64, 6144, 64, True, bf16)  # K not in 128s
+    assert not tinygemm_layout_fits(4096, 6148, 128, True, bf16)  # N not in 8s
+    assert not tinygemm_fits(4096, 6144, 128, True, bf16, torch.device("cpu"))
+    monkeypatch.setenv("KVSCALE_TINYGEMM", "0")
+    assert not tinygemm_fits(4096, 6144, 128, True, bf16, torch.device("cuda"))
+
+
+def test_no_tinygemm_copy_on_the_cpu(int4: Callable[[str], Path]) -> None:
+    llm = LLM(str(int4("awq-from-llama-awq-asym")), device="cpu", dtype="bfloat16")
+    layer = llm.engine.worker.model.model.layers[0].mlp.down_proj
+    assert layer.w4_qweight is not None and layer.w4_tiny is None

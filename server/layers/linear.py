@@ -50,9 +50,8 @@ class LinearBase(nn.Module):
         self.out_per_rank = out_per_rank
         self.output_partition_sizes = partitions or [out_per_rank]  # this rank's shard widths
         self.linear_method = method or DenseLinearMethod()
-        self.linear_method.create_weights(
-            self, in_per_rank, out_per_rank, torch.get_default_dtype()
-        )
+        self.params_dtype = torch.get_default_dtype()  # the activations' dtype
+        self.linear_method.create_weights(self, in_per_rank, out_per_rank, self.params_dtype)
         # the FP8 groups the method quantizes its input in: the layer before may do it
         self.fp8_input_group = self.linear_method.fp8_input_group(in_per_rank)
         for param in self.parameters(recurse=False):

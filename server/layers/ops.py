@@ -53,6 +53,11 @@ def use_kernels(enabled: bool) -> bool:
     return previous
 
 
+def routed_to_kernels() -> bool:
+    """Whether the operators above are the kernels now (else the references)."""
+    return _kernels
+
+
 @contextlib.contextmanager
 def kernels(enabled: bool) -> Iterator[None]:
     """``use_kernels(enabled)`` inside the block; the previous routing after it."""

@@ -17,9 +17,20 @@ the kernels (CUDA with the triton backend), its torch reference elsewhere (the C
 the torch backend). Under ``torch.compile`` it is one opaque custom op,
 ``kvscale::w4a16_gemm`` (the kernel on CUDA, the reference elsewhere), so Inductor never
 traces the dequantization.
+
+One row of bf16 activations on a CUDA GPU (batch-1 decode), with the ops routed to the
+kernels, takes PyTorch's own int4 kernel instead (tinygemm, ``aten._weight_int4pack_mm``,
+as gpt-fast and torchao run it) where its layout allows (:func:`tinygemm_fits`): at the
+8B shapes on an H100 it takes 4-30% less time than the Triton GEMV a layer
+(``bench/int4_tinygemm.py``, r57). Such a layer also keeps ``w4_tiny`` (tinygemm's
+packing of the same codes) and ``w4_tiny_sz [G, N, 2]`` bf16 (scale, offset):
+``w = (code - 8) * scale + offset``, ``offset = (8 - zero) * scale``. That is a second
+copy of the codes (half a byte a weight); ``KVSCALE_TINYGEMM=0`` leaves it out.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -30,6 +41,9 @@ from kvscale.server.layers import ops
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 
 PACK = 8
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 times this
+TINYGEMM_MAX_ROWS = 1  # measured faster than the Triton GEMV at one row (r57)
 
 
 @torch.library.custom_op("kvscale::w4a16_gemm", mutates_args=())
@@ -71,6 +85,55 @@ def int4_param(*shape: int, dtype: torch.dtype = torch.int32, **attrs: object) -
     """An empty checkpoint tensor with its sharding metadata (``set_weight_attrs``)."""
     p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     return set_weight_attrs(p, **attrs)
+
+
+def tinygemm_layout_fits(
+    k: int, n: int, group_size: int, in_order: bool, dtype: torch.dtype
+) -> bool:
+    """Whether tinygemm's layout holds this layer: bf16 activations, groups of 32-256
+    rows in checkpoint order (no act-order permutation or group index), K a multiple of
+    128 and N of 8."""
+    return (
+        dtype == torch.bfloat16
+        and in_order
+        and group_size in TINYGEMM_GROUPS
+        and k % (16 * TINYGEMM_INNER_K_TILES) == 0
+        and n % 8 == 0
+    )
+
+
+def tinygemm_fits(
+    k: int, n: int, group_size: int, in_order: bool, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """:func:`tinygemm_layout_fits`, on a GPU of compute capability 8.0 or later, and
+    ``KVSCALE_TINYGEMM`` is not ``0``."""
+    return (
+        tinygemm_layout_fits(k, n, group_size, in_order, dtype)
+        and os.environ.get("KVSCALE_TINYGEMM", "1") != "0"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
+def tinygemm_scales(scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
+    """``scales [G, N]``, ``zeros [G, N]`` (None: 8) -> tinygemm's ``[G, N, 2]`` bf16
+    (scale, offset) with ``(code - 8) * scale + offset == (code - zero) * scale``."""
+    s = scales.float()
+    offset = torch.zeros_like(s) if zeros is None else (8 - zeros.float()) * s
+    return torch.stack([s, offset], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def tinygemm_pack(codes: torch.Tensor) -> torch.Tensor:
+    """``codes [N, K]`` (0..15) -> tinygemm's packed weight for the codes' device (CUDA:
+    two codes a byte, the even column in the high nibble, then the op's tiling; the CPU
+    op takes the codes as int32)."""
+    if codes.is_cuda:
+        c = codes.to(torch.uint8)
+        pairs = (c[:, ::2] << 4 | c[:, 1::2]).contiguous()
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, TINYGEMM_INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        codes.to(torch.int32).contiguous(), TINYGEMM_INNER_K_TILES
+    )
 
 
 class Int4LinearMethod(LinearMethod):
@@ -155,8 +218,22 @@ class Int4LinearMethod(LinearMethod):
         layer.w4_perm = None if perm is None else nn.Parameter(perm, requires_grad=False)
         layer.w4_g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
         layer.w4_group_size = group_size
+        dtype = getattr(layer, "params_dtype", torch.float32)
+        in_order = perm is None and g_idx is None
+        layer.w4_tiny = layer.w4_tiny_sz = None
+        if tinygemm_fits(k, qweight.shape[1], group_size, in_order, dtype, qweight.device):
+            codes = unpack_int4_rows(qweight, k).t()
+            layer.w4_tiny = nn.Parameter(tinygemm_pack(codes), requires_grad=False)
+            sz = tinygemm_scales(scales, zeros)
+            layer.w4_tiny_sz = nn.Parameter(sz, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        tiny = layer.w4_tiny is not None and ops.routed_to_kernels()
+        if tiny and x.dim() == 2 and x.shape[0] <= TINYGEMM_MAX_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm(
+                x, layer.w4_tiny, layer.w4_group_size, layer.w4_tiny_sz
+            )
+            return y if bias is None else y + bias
         args = (
             layer.w4_qweight,
             layer.w4_scales,
