@@ -795,6 +795,23 @@ plan_r50() {
 # GPU tests, the norm's kernel tests natively, C off/on alternated, C's decode step by
 # kernel off and on, C/A/B); removed after them (NOTES e51 measured).
 
+# r57 (one H100, one device call): bench/int4_tinygemm.py at one row (NOTES e52).
+# r58 (one H100, issue 23; NOTES e52): one bf16 row of int4 layers through tinygemm: the
+# int4 GPU tests, the kernel against the GEMV at 1-8 rows, int4 C with the GEMV
+# (KVSCALE_TINYGEMM=0) and with tinygemm alternated twice, GPTQ's decode step by kernel.
+plan_r58() {
+  facts
+  ckpt_beside tests-int4 300 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  step tinygemm-rows 150 python3 bench/int4_tinygemm.py --out-dir "$RES" --rows 1,2,4,8
+  for round in 1 2; do
+    step "int4-gemv-$round" 200 env KVSCALE_TINYGEMM=0 python3 bench/engine_bench.py \
+      --out-dir "$RES/gemv-$round" --ckpt "$CKPT" --phases int4
+    step "int4-tinygemm-$round" 200 python3 bench/engine_bench.py \
+      --out-dir "$RES/tinygemm-$round" --ckpt "$CKPT" --phases int4
+  done
+  bench decode-kernels-int4 120 decode-kernels-int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
