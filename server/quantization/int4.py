@@ -18,14 +18,16 @@ the torch backend). Under ``torch.compile`` it is one opaque custom op,
 ``kvscale::w4a16_gemm`` (the kernel on CUDA, the reference elsewhere), so Inductor never
 traces the dequantization.
 
-One row of bf16 activations on a CUDA GPU (batch-1 decode), with the ops routed to the
-kernels, takes PyTorch's own int4 kernel instead (tinygemm, ``aten._weight_int4pack_mm``,
-as gpt-fast and torchao run it) where its layout allows (:func:`tinygemm_fits`): at the
-8B shapes on an H100 it takes 4-30% less time than the Triton GEMV a layer
-(``bench/int4_tinygemm.py``, r57). Such a layer also keeps ``w4_tiny`` (tinygemm's
-packing of the same codes) and ``w4_tiny_sz [G, N, 2]`` bf16 (scale, offset):
-``w = (code - 8) * scale + offset``, ``offset = (8 - zero) * scale``. That is a second
-copy of the codes (half a byte a weight); ``KVSCALE_TINYGEMM=0`` leaves it out.
+Up to ``TINYGEMM_MAX_ROWS`` rows of bf16 activations on a CUDA GPU (small-batch decode
+and verify steps), with the ops routed to the kernels, take PyTorch's own int4 kernel
+instead (tinygemm, ``aten._weight_int4pack_mm``, as gpt-fast and torchao run it) where
+its layout allows (:func:`tinygemm_fits`): at the 8B shapes on an H100 it takes 3-32%
+less time a layer than the Triton GEMV at one row, and 22-54% less than the tl.dot
+kernel at 2 and 4 rows (``bench/int4_tinygemm.py``, r57, r58). Such a layer also keeps
+``w4_tiny`` (tinygemm's packing of the same codes) and ``w4_tiny_sz [G, N, 2]`` bf16
+(scale, offset): ``w = (code - 8) * scale + offset``, ``offset = (8 - zero) * scale``.
+That is a second copy of the codes (half a byte a weight); ``KVSCALE_TINYGEMM=0`` leaves
+it out.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 PACK = 8
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 times this
-TINYGEMM_MAX_ROWS = 1  # measured faster than the Triton GEMV at one row (r57)
+# rows that take tinygemm: at every 8B layer faster than the Triton kernels at 1, 2 and 4
+# rows, slower at 8 on qkv, gate_up and down (r58, bench/int4_tinygemm.py)
+TINYGEMM_MAX_ROWS = 4
 
 
 @torch.library.custom_op("kvscale::w4a16_gemm", mutates_args=())
