@@ -812,6 +812,13 @@ plan_r58() {
   bench decode-kernels-int4 120 decode-kernels-int4
 }
 
+# r59 (one H100, issue 23; NOTES e52): the int4 GPU tests after tinygemm's rows went to 4
+# and its test got a concrete method (r58's two failures).
+plan_r59() {
+  facts
+  step tests-int4 300 "${PT[@]}" tests/gpu/test_int4_cuda.py
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
