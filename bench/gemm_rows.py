@@ -31,6 +31,7 @@ import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -153,6 +154,24 @@ def copy_gb_per_s() -> float:
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3) / 1e9
 
 
+def run_meta(**extra: Any) -> dict[str, Any]:
+    """The GPU, torch, the date, the copy bandwidth measured now and the L2's size, with
+    ``extra``; printed as one JSON line. Exits without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(0)
+    meta = {
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "copy_gb_per_s": copy_gb_per_s(),
+        "l2_bytes": props.L2_cache_size,
+        **extra,
+    }
+    print(json.dumps(meta), flush=True)
+    return meta
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=Path("."))
@@ -160,19 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--shapes", choices=("8b", "tp2"), default="8b")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    props = torch.cuda.get_device_properties(0)
-    copy = copy_gb_per_s()
-    meta = {
-        "gpu": props.name,
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "copy_gb_per_s": copy,
-        "l2_bytes": props.L2_cache_size,
-        "shapes": args.shapes,
-    }
-    print(json.dumps(meta), flush=True)
+    meta = run_meta(shapes=args.shapes)
+    props, copy = torch.cuda.get_device_properties(0), meta["copy_gb_per_s"]
     rows_out = []
     chosen = args.variants.split(",")
     for name, n, k in shapes(args.shapes):

@@ -14,7 +14,6 @@ against the fp32 product with the dequantized weights.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm_rows import copies_for, copy_gb_per_s, time_variant
+from gemm_rows import copies_for, run_meta, time_variant
 
 from kvscale.kernels.testing import LLAMA_8B_LINEARS
 from kvscale.kernels.w4a16 import w4a16_gemm
@@ -52,18 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=Path("."))
     ap.add_argument("--rows", default="1")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    props = torch.cuda.get_device_properties(0)
-    copy = copy_gb_per_s()
-    meta = {
-        "gpu": props.name,
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "copy_gb_per_s": copy,
-        "group": GROUP,
-    }
-    print(json.dumps(meta), flush=True)
+    meta = run_meta(group=GROUP)
+    props, copy = torch.cuda.get_device_properties(0), meta["copy_gb_per_s"]
     rows_out = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, k, n in LLAMA_8B_LINEARS:
