@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=Path("."))
     ap.add_argument("--rows", default="1")
+    ap.add_argument("--inner-k-tiles", default="8", help="tinygemm's K tiling (2, 4, 8)")
+    ap.add_argument("--zeros", default="symmetric,zeros")
     args = ap.parse_args(argv)
     meta = run_meta(group=GROUP)
     props, copy = torch.cuda.get_device_properties(0), meta["copy_gb_per_s"]
@@ -59,30 +62,36 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = n * k // 2 + 2 * (k // GROUP) * n * 2  # codes, scales and offsets
         codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.int32)
         scales = torch.rand(k // GROUP, n, device="cuda", generator=gen) * 0.02 + 0.001
-        for zero_kind in ("symmetric", "zeros"):
+        for zero_kind in args.zeros.split(","):
             if zero_kind == "symmetric":
                 zeros = torch.full((k // GROUP, n), 8, device="cuda", dtype=torch.uint8)
             else:
                 zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda", generator=gen)
                 zeros = zeros.to(torch.uint8)
             w = dequant(codes, scales, zeros)
-            qweight = pack_gptq(codes)
-            packed, sz = tinygemm_pack(codes), tinygemm_scales(scales, zeros)
             copies = copies_for(nbytes, props.L2_cache_size)
-            ours_w = [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(copies)]
-            tiny_w = [(packed.clone(), sz.clone()) for _ in range(copies)]
-            zp = None if zero_kind == "symmetric" else 0
+            zp = zeros if zero_kind == "zeros" else None
+
+            def ours(x: torch.Tensor, wt: tuple) -> torch.Tensor:
+                return w4a16_gemm(x, wt[0], wt[1], wt[2], GROUP)
+
+            def tiny(x: torch.Tensor, wt: tuple) -> torch.Tensor:
+                return torch.ops.aten._weight_int4pack_mm(x, wt[0], GROUP, wt[1])
+
+            q = pack_gptq(codes)
+            kernels: list[tuple[str, Callable[..., torch.Tensor], list[tuple]]] = [
+                ("ours", ours, [(q.clone(), scales.clone(), zp) for _ in range(copies)])
+            ]
+            sz = tinygemm_scales(scales, zp)
+            for tiles in (int(t) for t in args.inner_k_tiles.split(",")):
+                packed = tinygemm_pack(codes, tiles)
+                label = "tinygemm" if tiles == 8 else f"tiny-k{tiles}"
+                ws = [(packed.clone(), sz.clone()) for _ in range(copies)]
+                kernels.append((label, tiny, ws))
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 ref = x.float() @ w.t()
-
-                def ours(x: torch.Tensor, wt: tuple, zp: int | None = zp) -> torch.Tensor:
-                    return w4a16_gemm(x, wt[0], wt[1], None if zp is None else wt[2], GROUP)
-
-                def tiny(x: torch.Tensor, wt: tuple) -> torch.Tensor:
-                    return torch.ops.aten._weight_int4pack_mm(x, wt[0], GROUP, wt[1])
-
-                for kernel, fn, ws in (("ours", ours, ours_w), ("tinygemm", tiny, tiny_w)):
+                for kernel, fn, ws in kernels:
                     err = ((fn(x, ws[0]).float() - ref).norm() / ref.norm()).item()
                     t = time_variant(fn, x, ws)
                     rate = nbytes / (t["us"] / 1e6) / 1e9
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"err {err:.1e}",
                         flush=True,
                     )
-            del ours_w, tiny_w
+            del kernels
             torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "int4_tinygemm.json").write_text(json.dumps({"meta": meta, "rows": rows_out}))

@@ -127,16 +127,16 @@ def tinygemm_scales(scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.T
     return torch.stack([s, offset], dim=-1).to(torch.bfloat16).contiguous()
 
 
-def tinygemm_pack(codes: torch.Tensor) -> torch.Tensor:
+def tinygemm_pack(codes: torch.Tensor, inner_k_tiles: int = TINYGEMM_INNER_K_TILES) -> torch.Tensor:
     """``codes [N, K]`` (0..15) -> tinygemm's packed weight for the codes' device (CUDA:
-    two codes a byte, the even column in the high nibble, then the op's tiling; the CPU
-    op takes the codes as int32)."""
+    two codes a byte, the even column in the high nibble, then the op's tiling, K in
+    tiles of ``16 * inner_k_tiles``; the CPU op takes the codes as int32)."""
     if codes.is_cuda:
         c = codes.to(torch.uint8)
         pairs = (c[:, ::2] << 4 | c[:, 1::2]).contiguous()
-        return torch.ops.aten._convert_weight_to_int4pack(pairs, TINYGEMM_INNER_K_TILES)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        codes.to(torch.int32).contiguous(), TINYGEMM_INNER_K_TILES
+        codes.to(torch.int32).contiguous(), inner_k_tiles
     )
 
 
