@@ -233,9 +233,9 @@ class Int4LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         tiny = layer.w4_tiny is not None and ops.routed_to_kernels()
-        if tiny and x.dim() == 2 and x.shape[0] <= TINYGEMM_MAX_ROWS:
+        if tiny and x.dim() == 2 and 0 < x.shape[0] <= TINYGEMM_MAX_ROWS:
             y = torch.ops.aten._weight_int4pack_mm(
-                x, layer.w4_tiny, layer.w4_group_size, layer.w4_tiny_sz
+                x.contiguous(), layer.w4_tiny, layer.w4_group_size, layer.w4_tiny_sz
             )
             return y if bias is None else y + bias
         args = (
