@@ -819,6 +819,18 @@ plan_r59() {
   step tests-int4 300 "${PT[@]}" tests/gpu/test_int4_cuda.py
 }
 
+# r60 (one H100, one device call): bench/int4_tinygemm.py --inner-k-tiles 2,4,8 (NOTES e52).
+# r61 (one H100, issue 23): the checks owed at HEAD: the int4 GPU tests (tinygemm's input
+# made contiguous, no empty batch), the two GEMM benches after their shared run_meta.
+plan_r61() {
+  facts
+  step tests-int4 300 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  step gemm-rows 120 python3 bench/gemm_rows.py --out-dir "$RES" --rows 1 \
+    --variants linear,split2f
+  step int4-tinygemm 120 python3 bench/int4_tinygemm.py --out-dir "$RES" --rows 1 \
+    --zeros zeros
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
