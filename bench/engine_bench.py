@@ -238,14 +238,40 @@ def throughput_bound(
 
 
 def serving_bound(
-    cfg: dict[str, Any], lengths: list[tuple[int, int]], concurrency: int, copy_bytes_per_s: float
+    cfg: dict[str, Any],
+    lengths: list[tuple[int, int]],
+    concurrency: int,
+    copy_bytes_per_s: float,
+    flop_per_s: float | None = None,
 ) -> dict[str, float]:
-    """Decode floor with ``concurrency`` sequences at the mean context (mean input plus
-    half the mean output): the TPOT floor (ms) and the output tokens/s bound it allows."""
+    """Step floor with ``concurrency`` sequences decoding at the mean context (mean input
+    plus half the mean output): the TPOT floor (ms) and the output tokens/s bound it
+    allows. The memory floor reads the weights and that KV once a step. With
+    ``flop_per_s`` the compute floor too: in a steady state each finished request is
+    replaced by a new one, so every step also prefills ``batch * mean input / mean
+    output`` prompt tokens; all the step's tokens pass every layer's matmuls, the decode
+    rows the head, and each token attends to its context (a prompt token to half its
+    prompt on average). The floor is the larger of the two (``memory_tpot_ms``,
+    ``compute_tpot_ms`` beside it)."""
     batch = min(concurrency, len(lengths))
-    ctx = statistics.fmean(i for i, _ in lengths) + statistics.fmean(o for _, o in lengths) / 2
-    step = decode_step_floor_s(cfg, int(batch * ctx), copy_bytes_per_s)
-    return {"tpot_ms": 1e3 * step, "output_tok_per_s": batch / step}
+    mean_in = statistics.fmean(i for i, _ in lengths)
+    mean_out = statistics.fmean(o for _, o in lengths)
+    ctx = mean_in + mean_out / 2
+    memory_s = decode_step_floor_s(cfg, int(batch * ctx), copy_bytes_per_s)
+    res = {"memory_tpot_ms": 1e3 * memory_s}
+    step = memory_s
+    if flop_per_s:
+        p = param_counts(cfg)
+        attn = 4 * cfg["hidden_size"] * cfg["num_hidden_layers"]  # flops a (token, key) pair
+        prefill = batch * mean_in / mean_out
+        flops = (
+            2 * p["layers"] * (batch + prefill)
+            + 2 * p["lm_head"] * batch
+            + attn * (batch * ctx + prefill * mean_in / 2)
+        )
+        res["compute_tpot_ms"] = 1e3 * flops / flop_per_s
+        step = max(step, flops / flop_per_s)
+    return {**res, "tpot_ms": 1e3 * step, "output_tok_per_s": batch / step}
 
 
 @dataclass
@@ -429,7 +455,7 @@ def build_rows(res: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     serve, peer_serve = res.get("serve", {}), res.get("peer-serve", {})
     for c in concurrency_levels(serve):
         r, p = serve[str(c)], peer_serve.get(str(c), {})
-        sb = serving_bound(cfg, serve_lengths(c), c, copy_bps) if copy_bps else {}
+        sb = serving_bound(cfg, serve_lengths(c), c, copy_bps, flops) if copy_bps else {}
         bounds[f"D_c{c}"] = sb
         target = "<= 12 ms, 0 failed" if c == 64 else ""
         for metric, key, hib, bound, tgt in (
@@ -1691,9 +1717,14 @@ def plot_serving(res: dict[str, Any], path: Path, title: str) -> None:
         b.plot(xs, [data[str(c)]["p99_tpot_ms"] for c in xs], style[0] + ":", label=f"{name} p99")
     ceil = res.get("ceilings")
     if ceil and cs:
-        bnds = [serving_bound(LLAMA_31_8B, serve_lengths(c), c, ceil["copy"] * 1e9) for c in cs]
-        a.plot(cs, [x["output_tok_per_s"] for x in bnds], "k--", lw=1, label="decode bound")
-        b.plot(cs, [x["tpot_ms"] for x in bnds], "k--", lw=1, label="decode floor")
+        bnds = [
+            serving_bound(
+                LLAMA_31_8B, serve_lengths(c), c, ceil["copy"] * 1e9, ceil["matmul"] * 1e12
+            )
+            for c in cs
+        ]
+        a.plot(cs, [x["output_tok_per_s"] for x in bnds], "k--", lw=1, label="step bound")
+        b.plot(cs, [x["tpot_ms"] for x in bnds], "k--", lw=1, label="step floor")
     a.set(
         xscale="log",
         yscale="log",

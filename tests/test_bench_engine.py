@@ -61,6 +61,26 @@ def test_serving_bound_is_the_decode_floor_at_the_concurrency() -> None:
     assert many["output_tok_per_s"] == pytest.approx(2e3 / many["tpot_ms"])
 
 
+def test_serving_bound_counts_the_prefill_each_step_carries() -> None:
+    """With the matmul rate, a step also prefills the prompts of the requests that
+    replace the finished ones (batch x mean input / mean output tokens): at 256
+    sequences of D's lengths that compute floor is above the memory floor."""
+    cfg = eb.LLAMA_31_8B
+    p = eb.param_counts(cfg)
+    lengths = [(200, 100), (200, 100)]
+    b = eb.serving_bound(cfg, lengths, 2, 3.0e12, 1e12)
+    prefill = 2 * 200 / 100
+    linear = 2 * p["layers"] * (2 + prefill) + 2 * p["lm_head"] * 2
+    attn = 4 * cfg["hidden_size"] * cfg["num_hidden_layers"] * (2 * 250 + prefill * 100)
+    assert b["compute_tpot_ms"] == pytest.approx(1e3 * (linear + attn) / 1e12)
+    assert b["tpot_ms"] == pytest.approx(max(b["compute_tpot_ms"], b["memory_tpot_ms"]))
+    d = eb.serving_bound(cfg, eb.serve_lengths(256), 256, 3.0e12, 722e12)
+    assert d["compute_tpot_ms"] > d["memory_tpot_ms"]
+    assert d["tpot_ms"] == pytest.approx(d["compute_tpot_ms"])
+    small = eb.serving_bound(cfg, eb.serve_lengths(1), 1, 3.0e12, 722e12)
+    assert small["tpot_ms"] == pytest.approx(small["memory_tpot_ms"])  # batch 1: the weights
+
+
 def test_serve_prompt_counts() -> None:
     assert [eb.serve_prompts(c) for c in (1, 16, 64, 256)] == [16, 32, 128, 512]
     assert eb.serve_prompts(1, peer=True) == 4 and eb.serve_prompts(64, peer=True) == 128
