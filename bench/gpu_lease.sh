@@ -831,6 +831,14 @@ plan_r61() {
     --zeros zeros
 }
 
+# r62 (one H100, issue 23): tinygemm's copies kept within a share of the GPU's memory: the
+# int4 GPU tests (the new one: no copy past the share), int4 C (the 8B model keeps them).
+plan_r62() {
+  facts
+  ckpt_beside tests-int4 300 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  bench int4 240 int4
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

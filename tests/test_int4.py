@@ -594,6 +594,17 @@ def test_tinygemm_takes_only_what_its_layout_holds(monkeypatch: pytest.MonkeyPat
     assert not tinygemm_fits(4096, 6144, 128, True, bf16, torch.device("cuda"))
 
 
+def test_tinygemm_copies_stop_at_the_memory_share() -> None:
+    from kvscale.server.quantization.int4 import TINYGEMM_MEMORY_SHARE, tinygemm_copy_fits
+
+    total = 80 << 30
+    limit = int(TINYGEMM_MEMORY_SHARE * total)
+    assert tinygemm_copy_fits(6 << 30, 110 << 20, total)  # the 8B model's largest layer
+    assert tinygemm_copy_fits(limit - 100, 100, total)
+    assert not tinygemm_copy_fits(limit - 100, 101, total)
+    assert not tinygemm_copy_fits(36 << 30, 1, total)  # a 70B 4-bit model on one 80 GB GPU
+
+
 def test_no_tinygemm_copy_on_the_cpu(int4: Callable[[str], Path]) -> None:
     llm = LLM(str(int4("awq-from-llama-awq-asym")), device="cpu", dtype="bfloat16")
     layer = llm.engine.worker.model.model.layers[0].mlp.down_proj

@@ -26,8 +26,9 @@ less time a layer than the Triton GEMV at one row, and 22-54% less than the tl.d
 kernel at 2 and 4 rows (``bench/int4_tinygemm.py``, r57, r58). Such a layer also keeps
 ``w4_tiny`` (tinygemm's packing of the same codes) and ``w4_tiny_sz [G, N, 2]`` bf16
 (scale, offset): ``w = (code - 8) * scale + offset``, ``offset = (8 - zero) * scale``.
-That is a second copy of the codes (half a byte a weight); ``KVSCALE_TINYGEMM=0`` leaves
-it out.
+That is a second copy of the codes (half a byte a weight), kept while the GPU's allocated
+memory stays within ``TINYGEMM_MEMORY_SHARE`` of it (a model too large for it keeps the
+Triton kernels in the layers past that point); ``KVSCALE_TINYGEMM=0`` leaves it out.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ TINYGEMM_INNER_K_TILES = 8  # K must be a multiple of 16 times this
 # rows that take tinygemm: at every 8B layer faster than the Triton kernels at 1, 2 and 4
 # rows, slower at 8 on qkv, gate_up and down (r58, bench/int4_tinygemm.py)
 TINYGEMM_MAX_ROWS = 4
+# layers stop getting tinygemm's copy where it would take the GPU's allocated memory past
+# this share of the GPU: a 4-bit model too large for a copy of its codes keeps its KV pool
+TINYGEMM_MEMORY_SHARE = 0.35
 
 
 @torch.library.custom_op("kvscale::w4a16_gemm", mutates_args=())
@@ -117,6 +121,12 @@ def tinygemm_fits(
         and device.type == "cuda"
         and torch.cuda.get_device_capability(device) >= (8, 0)
     )
+
+
+def tinygemm_copy_fits(allocated: int, copy_bytes: int, total: int) -> bool:
+    """Whether a layer's copy (``copy_bytes``) keeps the GPU's allocated memory (bytes,
+    this process's) within ``TINYGEMM_MEMORY_SHARE`` of its ``total``."""
+    return allocated + copy_bytes <= TINYGEMM_MEMORY_SHARE * total
 
 
 def tinygemm_scales(scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
@@ -225,7 +235,12 @@ class Int4LinearMethod(LinearMethod):
         dtype = getattr(layer, "params_dtype", torch.float32)
         in_order = perm is None and g_idx is None
         layer.w4_tiny = layer.w4_tiny_sz = None
-        if tinygemm_fits(k, qweight.shape[1], group_size, in_order, dtype, qweight.device):
+        n, device = qweight.shape[1], qweight.device
+        if tinygemm_fits(k, n, group_size, in_order, dtype, device) and tinygemm_copy_fits(
+            torch.cuda.memory_allocated(device),
+            n * k // 2 + scales.shape[0] * n * 4,
+            torch.cuda.get_device_properties(device).total_memory,
+        ):
             codes = unpack_int4_rows(qweight, k).t()
             layer.w4_tiny = nn.Parameter(tinygemm_pack(codes), requires_grad=False)
             sz = tinygemm_scales(scales, zeros)

@@ -241,3 +241,31 @@ def test_tinygemm_one_row_matches_the_dequantized_product(sym: bool) -> None:
         assert torch.equal(method.apply(layer, x, None), w4a16_gemm(x, *args))
     with ops.kernels(False):  # the reference path never takes it
         assert torch.equal(method.apply(layer, x[:1], None), ops.w4a16_gemm(x[:1], *args))
+
+
+def test_no_tinygemm_copy_past_the_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no room left under the share, a layer keeps only the Triton layout, and its
+    one-row product is the Triton GEMV's."""
+    from torch import nn
+
+    from kvscale.kernels.w4a16 import pack_int4_rows, w4a16_gemm
+    from kvscale.server.layers import ops
+    from kvscale.server.quantization import int4
+
+    class Method(int4.Int4LinearMethod):
+        def create_weights(self, *args: object) -> None:
+            pass
+
+    monkeypatch.setattr(int4, "TINYGEMM_MEMORY_SHARE", 0.0)
+    k, n, group = 1024, 256, 128
+    codes = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32).to(torch.uint8)
+    scales = torch.rand(k // group, n, device="cuda") * 0.02 + 0.001
+    layer = nn.Module()
+    layer.params_dtype = torch.bfloat16
+    method = Method(group, False, "test")
+    method.finish(layer, pack_int4_rows(codes), k, scales, None, None, ())
+    assert layer.w4_tiny is None and layer.w4_tiny_sz is None
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    with ops.kernels(True):
+        got = method.apply(layer, x, None)
+    assert torch.equal(got, w4a16_gemm(x, layer.w4_qweight, layer.w4_scales, None, group))
