@@ -552,7 +552,7 @@ def test_torch_compile_keeps_the_w4a16_op_opaque(
     assert len(calls) >= 4 * 2 * 4  # 4 linear layers x 2 decoder layers, every step
 
 
-# ---- tinygemm (PyTorch's CUDA int4 kernel) for one row on a GPU ---------------------------
+# ---- tinygemm (PyTorch's CUDA int4 kernel) for up to 4 rows on a GPU ----------------------
 @pytest.mark.parametrize("sym", [True, False], ids=["symmetric", "zeros"])
 def test_tinygemm_scales_and_codes_give_the_dequantized_product(sym: bool) -> None:
     """The (scale, offset) pairs and the codes read back from our layout, through
