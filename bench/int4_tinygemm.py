@@ -25,26 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_rows import copies_for, run_meta, time_variant
 
 from kvscale.kernels.testing import LLAMA_8B_LINEARS
-from kvscale.kernels.w4a16 import w4a16_gemm
+from kvscale.kernels.w4a16 import dequantize_w4, pack_int4_rows, w4a16_gemm
 from kvscale.server.quantization.int4 import tinygemm_pack, tinygemm_scales
 
 GROUP = 128
-
-
-def pack_gptq(codes: torch.Tensor) -> torch.Tensor:
-    """``codes [N, K]`` (0..15) -> our layout's ``qweight [K/8, N]`` int32."""
-    n, k = codes.shape
-    c = codes.t().reshape(k // 8, 8, n).to(torch.int32)
-    word = torch.zeros(k // 8, n, dtype=torch.int32, device=codes.device)
-    for j in range(8):
-        word |= c[:, j] << (4 * j)
-    return word
-
-
-def dequant(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` fp32: ``(code - zero) * scale`` per group of K."""
-    g = torch.arange(codes.shape[1], device=codes.device) // GROUP
-    return (codes.float() - zeros.float().t()[:, g]) * scales.t()[:, g]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda", generator=gen)
                 zeros = zeros.to(torch.uint8)
-            w = dequant(codes, scales, zeros)
+            q = pack_int4_rows(codes.t())
+            w = dequantize_w4(q, scales, zeros, GROUP, k).t()  # [N, K]
             copies = copies_for(nbytes, props.L2_cache_size)
             zp = zeros if zero_kind == "zeros" else None
 
@@ -78,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
             def tiny(x: torch.Tensor, wt: tuple) -> torch.Tensor:
                 return torch.ops.aten._weight_int4pack_mm(x, wt[0], GROUP, wt[1])
 
-            q = pack_gptq(codes)
             kernels: list[tuple[str, Callable[..., torch.Tensor], list[tuple]]] = [
                 ("ours", ours, [(q.clone(), scales.clone(), zp) for _ in range(copies)])
             ]

@@ -1,10 +1,11 @@
-"""CPU tests of bench/int4_tinygemm.py: both kernels' inputs hold the same weights (no GPU)."""
+"""CPU tests of bench/int4_tinygemm.py: the weights it hands each kernel, built as its
+``main`` builds them from ``[N, K]`` codes, are the same weights (no GPU)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvscale.kernels.w4a16 import w4a16_gemm_ref
+from kvscale.kernels.w4a16 import dequantize_w4, pack_int4_rows, w4a16_gemm_ref
 from kvscale.server.quantization.int4 import tinygemm_pack, tinygemm_scales
 from tests.bench_scripts import load_bench
 
@@ -17,10 +18,15 @@ def test_both_layouts_give_the_dequantized_product() -> None:
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
     scales = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
     zeros = torch.randint(0, 16, (k // group, n), generator=gen).to(torch.uint8)
+    g = torch.arange(k) // group
+    w = (codes.float() - zeros.float().t()[:, g]) * scales.t()[:, g]  # [N, K], by hand
+    q = pack_int4_rows(codes.t())
+    torch.testing.assert_close(dequantize_w4(q, scales, zeros, group, k).t(), w)
     x = torch.randn(2, k, generator=gen)
-    want = x @ it.dequant(codes, scales, zeros).t()
-    ours = w4a16_gemm_ref(x, it.pack_gptq(codes), scales, zeros, group)
-    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+    want = x @ w.t()
+    torch.testing.assert_close(
+        w4a16_gemm_ref(x, q, scales, zeros, group), want, atol=1e-5, rtol=1e-5
+    )
     tiny = torch.ops.aten._weight_int4pack_mm_for_cpu(  # the CPU twin of the GPU kernel
         x.to(torch.bfloat16), tinygemm_pack(codes), group, tinygemm_scales(scales, zeros)
     )

@@ -232,11 +232,11 @@ class Int4LinearMethod(LinearMethod):
         layer.w4_perm = None if perm is None else nn.Parameter(perm, requires_grad=False)
         layer.w4_g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
         layer.w4_group_size = group_size
-        dtype = getattr(layer, "params_dtype", torch.float32)
         in_order = perm is None and g_idx is None
         layer.w4_tiny = layer.w4_tiny_sz = None
         n, device = qweight.shape[1], qweight.device
-        if tinygemm_fits(k, n, group_size, in_order, dtype, device) and tinygemm_copy_fits(
+        fits = tinygemm_fits(k, n, group_size, in_order, layer.params_dtype, device)
+        if fits and tinygemm_copy_fits(
             torch.cuda.memory_allocated(device),
             n * k // 2 + scales.shape[0] * n * 4,
             torch.cuda.get_device_properties(device).total_memory,

@@ -192,21 +192,37 @@ def test_int4_steps_launch_without_a_device_sync(
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
 
 
+def _int4_layer(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int
+) -> tuple[object, object]:
+    """(method, layer): a bf16 layer of the codes ``[K, N]`` through ``Int4LinearMethod``'s
+    ``finish`` (what every format's loading ends in)."""
+    from torch import nn
+
+    from kvscale.kernels.w4a16 import pack_int4_rows
+    from kvscale.server.quantization.int4 import Int4LinearMethod
+
+    class Method(Int4LinearMethod):  # finish() and apply() as every format's
+        def create_weights(self, *args: object) -> None:
+            pass
+
+    layer = nn.Module()
+    layer.params_dtype = torch.bfloat16
+    method = Method(group, False, "test")
+    k = codes.shape[0]
+    method.finish(layer, pack_int4_rows(codes.to(torch.uint8)), k, scales, zeros, None, ())
+    return method, layer
+
+
 @pytest.mark.parametrize("sym", [True, False], ids=["symmetric", "zeros"])
 def test_tinygemm_one_row_matches_the_dequantized_product(sym: bool) -> None:
     """A layer tinygemm's layout holds (bf16, group 128, in order) keeps its packed copy;
     one and four rows go through it and match the product of the dequantized weights
     about as closely as the Triton kernels do; five rows take the Triton kernel, bit for
     bit; the reference path never takes it."""
-    from torch import nn
-
-    from kvscale.kernels.w4a16 import pack_int4_rows, w4a16_gemm
+    from kvscale.kernels.w4a16 import w4a16_gemm
     from kvscale.server.layers import ops
-    from kvscale.server.quantization.int4 import TINYGEMM_MAX_ROWS, Int4LinearMethod
-
-    class Method(Int4LinearMethod):  # finish() and apply() as every format's
-        def create_weights(self, *args: object) -> None:
-            pass
+    from kvscale.server.quantization.int4 import TINYGEMM_MAX_ROWS
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, n, group = 4096, 1024, 128
@@ -219,10 +235,7 @@ def test_tinygemm_one_row_matches_the_dequantized_product(sym: bool) -> None:
     z = torch.full_like(scales, 8.0) if zeros is None else zeros.float()
     rows = torch.arange(k, device="cuda") // group
     w = (codes.float() - z[rows]) * scales[rows]  # [K, N]
-    layer = nn.Module()
-    layer.params_dtype = torch.bfloat16
-    method = Method(group, False, "test")
-    method.finish(layer, pack_int4_rows(codes.to(torch.uint8)), k, scales, zeros, None, ())
+    method, layer = _int4_layer(codes, scales, zeros, group)
     assert layer.w4_tiny is not None and layer.w4_tiny_sz.shape == (k // group, n, 2)
     rows = TINYGEMM_MAX_ROWS
     x = torch.randn(rows + 1, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -246,24 +259,15 @@ def test_tinygemm_one_row_matches_the_dequantized_product(sym: bool) -> None:
 def test_no_tinygemm_copy_past_the_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
     """With no room left under the share, a layer keeps only the Triton layout, and its
     one-row product is the Triton GEMV's."""
-    from torch import nn
-
-    from kvscale.kernels.w4a16 import pack_int4_rows, w4a16_gemm
+    from kvscale.kernels.w4a16 import w4a16_gemm
     from kvscale.server.layers import ops
     from kvscale.server.quantization import int4
 
-    class Method(int4.Int4LinearMethod):
-        def create_weights(self, *args: object) -> None:
-            pass
-
     monkeypatch.setattr(int4, "TINYGEMM_MEMORY_SHARE", 0.0)
     k, n, group = 1024, 256, 128
-    codes = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32).to(torch.uint8)
+    codes = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32)
     scales = torch.rand(k // group, n, device="cuda") * 0.02 + 0.001
-    layer = nn.Module()
-    layer.params_dtype = torch.bfloat16
-    method = Method(group, False, "test")
-    method.finish(layer, pack_int4_rows(codes), k, scales, None, None, ())
+    method, layer = _int4_layer(codes, scales, None, group)
     assert layer.w4_tiny is None and layer.w4_tiny_sz is None
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     with ops.kernels(True):
