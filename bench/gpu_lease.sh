@@ -839,6 +839,15 @@ plan_r62() {
   bench int4 240 int4
 }
 
+# r63 (one H100, issue 23): after the review's mends: the int4 GPU tests (their shared layer
+# helper, finish() reading params_dtype) and bench/int4_tinygemm.py on the kernels' packing.
+plan_r63() {
+  facts
+  step tests-int4 300 "${PT[@]}" tests/gpu/test_int4_cuda.py
+  step int4-tinygemm 120 python3 bench/int4_tinygemm.py --out-dir "$RES" --rows 1 \
+    --zeros symmetric,zeros
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
