@@ -119,7 +119,8 @@ class Step:
                 h = gemm(x, self.gate_up[i], ev)
                 a = F.silu(h[:, : h.shape[1] // 2]) * h[:, h.shape[1] // 2:]
                 F.linear(a, self.down[i])
-            main.wait_stream(side)
+            if mode is not None:  # a capture joins only streams that it forked
+                main.wait_stream(side)
 
         with torch.cuda.stream(main):
             body()  # compiles the kernels outside the capture
@@ -148,10 +149,10 @@ def time_graph(g: torch.cuda.CUDAGraph, replays: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="tp2,tp1")
-    p.add_argument("--modes", default="prefetch,load,bulk")
+    p.add_argument("--modes", default="prefetch,bulk")
     p.add_argument("--programs", default="32,64,132")
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--gate-up-mb", type=float, default=16.0)
+    p.add_argument("--gate-up-mb", default="0,16", help="MB of gate_up to fetch (a list)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -163,16 +164,16 @@ def main() -> None:
             "sleep_cycles_per_us": round(per_us, 1), "layers": args.layers}
     print(json.dumps(meta), flush=True)
     results: list[dict] = []
-    gu_bytes = int(args.gate_up_mb * 2**20)
     for shape in args.shapes.split(","):
         step = Step(shape, args.layers)
         waits = tuple(round(us * per_us) for us in WAITS_US[shape])
         runs = [("gemms", None, None, 0, 0, False), ("base", waits, None, 0, 0, False)]
         for mode in args.modes.split(","):
             for programs in (int(x) for x in args.programs.split(",")):
-                for join in (False, True):
-                    name = f"pf{'-join' if join else ''} {mode} x{programs}"
-                    runs.append((name, waits, mode, programs, gu_bytes, join))
+                for gu_mb in (float(x) for x in args.gate_up_mb.split(",")):
+                    for join in (False, True):
+                        name = f"pf{'-join' if join else ''} {mode} x{programs} gu{gu_mb:g}"
+                        runs.append((name, waits, mode, programs, int(gu_mb * 2**20), join))
         base = None
         for name, w, mode, programs, gub, join in runs:
             try:
