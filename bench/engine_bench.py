@@ -128,8 +128,11 @@ PHASES = (  # in the order a full run takes them: the longest peer runs last
 )
 PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
-TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce")  # two GPUs; run by name only
-NAMED_PHASES = ("spec-device",)  # comparisons of one change, run by name only (not in all)
+# two GPUs; run by name only
+TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce", "c-tp2")
+# comparisons of one change, run by name only (not in all)
+# (``c``: C alone, for a change compared engine against engine, one process each)
+NAMED_PHASES = ("spec-device", "c")
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
@@ -1827,6 +1830,8 @@ def main(argv: list[str] | None = None) -> int:
         "spec-piecewise": lambda: spec_bench.phase_spec_piecewise(
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close
         ),
+        "c": lambda: phase_ours(ckpt, "C"),
+        "c-tp2": lambda: phase_ours(ckpt, "C", tensor_parallel_size=2),
         "spec-device": lambda: spec_bench.phase_spec_device(
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close
         ),

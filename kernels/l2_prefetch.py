@@ -36,7 +36,7 @@ def _l2_load_kernel(src, sink, n_blocks, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for b in range(pid, n_blocks, tl.num_programs(0)):
-        acc += tl.load(src + b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK),
+        acc += tl.load(src + b * BLOCK + tl.arange(0, BLOCK),
                        eviction_policy="evict_last")
     tl.store(sink + pid, tl.sum(acc, axis=0))
 
@@ -49,7 +49,7 @@ def _l2_prefetch_kernel(src, sink, n_blocks, UNIT_WORDS: tl.constexpr, BLOCK: tl
     pid = tl.program_id(0)
     done = tl.zeros([BLOCK], dtype=tl.int32)
     for b in range(pid, n_blocks, tl.num_programs(0)):
-        ptrs = src + (b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)) * UNIT_WORDS
+        ptrs = src + (b * BLOCK + tl.arange(0, BLOCK)) * UNIT_WORDS
         if BULK:
             done += tl.inline_asm_elementwise(
                 f"cp.async.bulk.prefetch.L2.global [$1], {BULK_BYTES}; mov.u32 $0, 0;",
@@ -83,6 +83,8 @@ def l2_prefetch(
     n_blocks = nbytes // (unit * block)
     if n_blocks == 0:
         return
+    if nbytes >= 2**33:  # word offsets are int32 in the kernels
+        raise ValueError(f"l2_prefetch fetches under 8 GiB at a time, not {nbytes} bytes")
     words = t.view(-1).view(torch.uint8)[: n_blocks * unit * block].view(torch.int32)
     grid = (max(1, min(programs, sink.numel(), n_blocks)),)
     if mode == "load":
