@@ -848,6 +848,39 @@ plan_r63() {
     --zeros symmetric,zeros
 }
 
+# r64 (one H100, issue 23; NOTES e54): the decode graphs' L2 prefetch: its GPU tests
+# (bit-identity on/off, the kernels natively, the engine tests with it on), then C with it
+# off (KVSCALE_L2_PREFETCH=0) and on, an engine a process, alternated three times.
+plan_r64() {
+  facts
+  ckpt_beside tests-gpu 420 "${PT[@]}" tests/gpu/test_l2_prefetch_cuda.py \
+    tests/gpu/test_engine_cuda.py
+  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_l2_prefetch.py
+  for round in 1 2 3; do
+    step "c-off-$round" 150 env KVSCALE_L2_PREFETCH=0 python3 bench/engine_bench.py \
+      --out-dir "$RES/off-$round" --ckpt "$CKPT" --phases c
+    step "c-on-$round" 150 python3 bench/engine_bench.py \
+      --out-dir "$RES/on-$round" --ckpt "$CKPT" --phases c
+  done
+}
+
+# r65 (2 GPUs, issue 24; NOTES e54): the TP GPU tests with the prefetch on, C at TP=1 and
+# TP=2 with it off and on (an engine a process, alternated twice), then A at both sizes.
+plan_r65() {
+  facts
+  ckpt_beside tests-tp 480 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py \
+    tests/gpu/test_l2_prefetch_cuda.py
+  for round in 1 2; do
+    for mode in 0 1; do
+      step "c-tp2-$mode-$round" 200 env KVSCALE_L2_PREFETCH=$mode python3 bench/engine_bench.py \
+        --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
+      step "c-tp1-$mode-$round" 150 env KVSCALE_L2_PREFETCH=$mode python3 bench/engine_bench.py \
+        --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
+    done
+  done
+  bench tp 300 tp1,tp2
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
