@@ -864,8 +864,9 @@ plan_r64() {
   done
 }
 
-# r65 (2 GPUs, issue 24; NOTES e54): the TP GPU tests with the prefetch on, C at TP=1 and
-# TP=2 with it off and on (an engine a process, alternated twice), then A at both sizes.
+# r65 (2 GPUs, issues 24 and 23; NOTES e54): r64 found C at TP=1 0.15 ms slower with the
+# prefetch on. The TP GPU tests with it on; C at TP=2 and TP=1 with it off and on (an
+# engine a process, alternated twice); TP=1's decode step by kernel off and on.
 plan_r65() {
   facts
   ckpt_beside tests-tp 480 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py \
@@ -878,7 +879,10 @@ plan_r65() {
         --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
     done
   done
-  bench tp 300 tp1,tp2
+  for mode in 0 1; do
+    step "dk-tp1-$mode" 150 env KVSCALE_L2_PREFETCH=$mode python3 bench/engine_bench.py \
+      --out-dir "$RES/dk-$mode" --ckpt "$CKPT" --phases decode-kernels
+  done
 }
 
 case "$1" in
