@@ -848,42 +848,9 @@ plan_r63() {
     --zeros symmetric,zeros
 }
 
-# r64 (one H100, issue 23; NOTES e54): the decode graphs' L2 prefetch: its GPU tests
-# (bit-identity on/off, the kernels natively, the engine tests with it on), then C with it
-# off (KVSCALE_L2_PREFETCH=0) and on, an engine a process, alternated three times.
-plan_r64() {
-  facts
-  ckpt_beside tests-gpu 420 "${PT[@]}" tests/gpu/test_l2_prefetch_cuda.py \
-    tests/gpu/test_engine_cuda.py
-  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_l2_prefetch.py
-  for round in 1 2 3; do
-    step "c-off-$round" 150 env KVSCALE_L2_PREFETCH=0 python3 bench/engine_bench.py \
-      --out-dir "$RES/off-$round" --ckpt "$CKPT" --phases c
-    step "c-on-$round" 150 python3 bench/engine_bench.py \
-      --out-dir "$RES/on-$round" --ckpt "$CKPT" --phases c
-  done
-}
-
-# r65 (2 GPUs, issues 24 and 23; NOTES e54): r64 found C at TP=1 0.15 ms slower with the
-# prefetch on. The TP GPU tests with it on; C at TP=2 and TP=1 with it off and on (an
-# engine a process, alternated twice); TP=1's decode step by kernel off and on.
-plan_r65() {
-  facts
-  ckpt_beside tests-tp 480 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py \
-    tests/gpu/test_l2_prefetch_cuda.py
-  for round in 1 2; do
-    for mode in 0 1; do
-      step "c-tp2-$mode-$round" 200 env KVSCALE_L2_PREFETCH=$mode python3 bench/engine_bench.py \
-        --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
-      step "c-tp1-$mode-$round" 150 env KVSCALE_L2_PREFETCH=$mode python3 bench/engine_bench.py \
-        --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
-    done
-  done
-  for mode in 0 1; do
-    step "dk-tp1-$mode" 150 env KVSCALE_L2_PREFETCH=$mode python3 bench/engine_bench.py \
-      --out-dir "$RES/dk-$mode" --ckpt "$CKPT" --phases decode-kernels
-  done
-}
+# r64 and r65 (one H100; 2 x H200) ran at 2fd42d2 (plan_r64, plan_r65 there): the decode
+# graphs' L2 prefetch (its GPU tests, C off/on alternated at TP=1 and TP=2, TP=1's step by
+# kernel); removed after them: C slower with it at both sizes (NOTES e54 measured).
 
 case "$1" in
   start)

@@ -31,13 +31,11 @@ from kvscale.server.config import CheckpointError, EngineConfig, ModelConfig, ch
 from kvscale.server.distributed import TensorParallelError
 from kvscale.server.distributed.group import check_gpus, rank_env
 from kvscale.server.layers.embedding import ParallelLMHead
-from kvscale.server.layers.l2_prefetch import prefetching
 from kvscale.server.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvscale.server.models.loader import iter_tensors, load_model
 from kvscale.server.parallel import SINGLE, ParallelState, padded_vocab_size
 from kvscale.server.quantization import LinearMethod, set_weight_attrs
 from tests.hf_reference import fp8_tp2_and_quantization_gaps, random_prompts
-from tests.test_l2_prefetch import Recorder, check_recorded
 
 ODD_VOCAB = 31999
 PROMPTS = [[t % ODD_VOCAB for t in p] for p in random_prompts(12, (2, 70), seed=5)]
@@ -100,13 +98,9 @@ def test_tp2_tokens_equal_tp1(ckpts: dict[str, Path], arch: str) -> None:
     path = ckpts[arch]
     ref = _tp1_reference(path)
     llm = _tp_llm(path, **FORCED)
-    rec = Recorder()
     try:
-        with prefetching(rec):  # type: ignore[arg-type]
-            outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
         eng = llm.engine
-        # rank 0's model names gate_up too: an all-reduce's wait comes before it
-        check_recorded(rec, eng.worker.model.model.layers, all_reduces=True, forwards=10)
         assert eng.stats().num_preemptions > 0
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:

@@ -19,7 +19,6 @@ from kvscale.server.config import CheckpointError, ModelConfig
 from kvscale.server.layers.activation import SiluAndMul
 from kvscale.server.layers.attention import Attention
 from kvscale.server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvscale.server.layers.l2_prefetch import ALL_REDUCE_BYTES, prefetch
 from kvscale.server.layers.layernorm import RMSNorm
 from kvscale.server.layers.linear import (
     MergedColumnParallelLinear,
@@ -82,7 +81,6 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        prefetch(self.o_proj)  # behind RoPE and attention
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, positions, self.rotary))
 
@@ -134,15 +132,12 @@ class LlamaDecoderLayer(nn.Module):
         # the ranks that the attention's and the MLP's outputs are partial sums over
         self.attn_partial = partial_sum(parallel, cfg.o_bias)
         self.mlp_partial = partial_sum(parallel, cfg.mlp_bias)
-        self.all_reduces = parallel.world_size > 1
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the embeddings (``residual`` None) or the previous layer's MLP output;
-        returns this layer's MLP output (a partial sum: ``mlp_partial``) and residual.
-        Each ``prefetch`` starts a stretch of latency-bound kernels (``l2_prefetch``)."""
-        prefetch(self.self_attn.qkv_proj)  # behind the all-reduce and the norm
+        returns this layer's MLP output (a partial sum: ``mlp_partial``) and residual."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -151,8 +146,6 @@ class LlamaDecoderLayer(nn.Module):
                 x, residual, self.mlp_partial, self.self_attn.qkv_proj.fp8_input_group
             )
         x = self.self_attn(positions, x)
-        if self.all_reduces:  # a norm alone leaves too little time (NOTES e54)
-            prefetch(self.mlp.gate_up_proj, ALL_REDUCE_BYTES)
         x, residual = self.post_attention_layernorm(
             x, residual, self.attn_partial, self.mlp.gate_up_proj.fp8_input_group
         )

@@ -53,12 +53,6 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
         """Repacks loaded weights for the kernels (optional)."""
 
-    def small_batch_weights(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
-        """The tensors ``apply`` streams from memory at a few rows, in the order it reads
-        them (what ``kvscale.server.layers.l2_prefetch`` may fetch ahead into L2); empty:
-        nothing worth fetching, or not known (the default)."""
-        return ()
-
     def fp8_input_group(self, in_features: int) -> int | None:
         """The group of input columns this method quantizes its input to FP8 in, token
         by token and on the fly, if it does: ``apply`` then also takes an

@@ -20,6 +20,3 @@ class DenseLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
-
-    def small_batch_weights(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
-        return (layer.weight,)

@@ -7,8 +7,7 @@ sequence lengths, block tables) and from ``last_tokens``, the previous step's sa
 that placeholder ids point at. A step of ``n`` sequences (its inputs already padded to
 the graph's size ``bs`` and on the device) is copied into the first ``bs`` rows, and
 graph ``bs`` is replayed; padding rows write nothing (slot -1) and attend to one token
-of block 0, and their logits are dropped. Graphs of up to ``l2_prefetch.MAX_ROWS`` rows
-fetch each layer's weights into L2 ahead of its GEMMs, given a ``WeightPrefetcher``.
+of block 0, and their logits are dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from torch import nn
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.forward_context import forward_context
 from kvscale.server.attention.metadata import AttentionMetadata
-from kvscale.server.layers import l2_prefetch
 from kvscale.server.worker.step import resolve_placeholders
 
 log = logging.getLogger(__name__)
@@ -47,10 +45,8 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         block_size: int,
         last_tokens: torch.Tensor,
-        prefetcher: l2_prefetch.WeightPrefetcher | None = None,
     ) -> None:
         self.model = model
-        self.prefetcher = prefetcher
         self.backend = backend
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch = self.batch_sizes[-1]
@@ -80,8 +76,7 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> torch.Tensor:
         ids = resolve_placeholders(self.input_ids[:bs], self.last_tokens)
-        prefetcher = self.prefetcher if bs <= l2_prefetch.MAX_ROWS else None
-        with forward_context(self.backend, self._meta(bs)), l2_prefetch.prefetching(prefetcher):
+        with forward_context(self.backend, self._meta(bs)):
             hidden = self.model(ids, self.positions[:bs])
             return self.model.compute_logits(hidden)  # type: ignore[operator]
 

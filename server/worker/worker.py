@@ -32,7 +32,7 @@ from kvscale.server.attention.metadata import AttentionMetadata
 from kvscale.server.compilation.config import CompilationConfig
 from kvscale.server.config import ResolvedConfig
 from kvscale.server.engine.core_outputs import RowLogprobs
-from kvscale.server.layers import l2_prefetch, ops
+from kvscale.server.layers import ops
 from kvscale.server.layers.sampler import (
     SamplingTensors,
     apply_logit_bias,
@@ -266,10 +266,6 @@ class Worker:
                 max_blocks,
                 eng.block_size,
                 self.last_tokens,
-                # the compiled model would trace the side stream: only the kernels' path
-                l2_prefetch.WeightPrefetcher(device)
-                if use_kernels and l2_prefetch.supported(device)
-                else None,
             )
             self.graphs.capture(pool)
         self.dispatcher = GraphDispatcher(
