@@ -130,8 +130,8 @@ PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
 # two GPUs; run by name only
 TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce", "c-tp2")
-# comparisons of one change, run by name only (not in all)
-# (``c``: C alone, for a change compared engine against engine, one process each)
+# comparisons of one change, run by name only (not in all); ``c`` (and ``c-tp2``): C
+# alone, for engines compared one process each
 NAMED_PHASES = ("spec-device", "c")
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
