@@ -23,11 +23,19 @@ output.
 Split-KV (flash-decoding): with ``num_splits > 1`` each sequence's context is cut into
 ``num_splits`` chunks processed by separate programs that write partial (max, sum, acc) to
 fp32 scratch; a second kernel merges them. :func:`choose_num_splits` picks the count.
+
+With ``rope`` (a :class:`RopeWrite`: a decode step's positions, new k and v, the rotary
+table and the slots) the kernel also does ``kernels.rope_kv_cache``'s work for the step,
+saving its launch: q arrives unrotated and each program rotates its heads; the program
+whose context chunk holds the newest token rotates that token's k, stores it and v at its
+slot (quantized for an FP8 cache), and reads them back after a barrier. The rotation and
+rounding are ``rope_kv_cache``'s, so the output is that of the two kernels in turn.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,7 +48,7 @@ from kvscale.kernels._utils import (
     next_power_of_2,
     num_sms,
 )
-from kvscale.kernels.fp8 import is_fp8
+from kvscale.kernels.fp8 import is_fp8, quantize_e4m3
 
 LOG2E = 1.4426950408889634
 
@@ -91,6 +99,11 @@ def _paged_decode_kernel(
     acc_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    pos_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    cos_sin_ptr,
+    slot_ptr,
     scale_log2e,
     num_seqs,
     num_heads,
@@ -102,6 +115,13 @@ def _paged_decode_kernel(
     stride_kblk,
     stride_ktok,
     stride_khead,
+    stride_nb,
+    stride_nh,
+    stride_vnb,
+    stride_vnh,
+    stride_c,
+    max_position,
+    num_slots,
     QG: tl.constexpr,
     QG_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -112,6 +132,7 @@ def _paged_decode_kernel(
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_F16: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -130,11 +151,45 @@ def _paged_decode_kernel(
     heads = g * QG + offs_g
     row_mask = offs_g < QG
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=row_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_at + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROPE:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        live = b < num_seqs
+        pos = tl.load(pos_ptr + b, mask=live, other=-1).to(tl.int64)
+        rot = (pos >= 0) & (pos < max_position) & live
+        first = offs_d < HALF
+        partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+        cos = tl.load(cos_sin_ptr + pos * stride_c + offs_d % HALF, mask=rot, other=0.0)
+        sin = tl.load(cos_sin_ptr + pos * stride_c + HALF + offs_d % HALF, mask=rot, other=0.0)
+        cos = cos.to(tl.float32)
+        sin = sin.to(tl.float32)
+        qp = tl.load(q_at + partner[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+        qx = q.to(tl.float32)
+        # rope_kv_cache's expressions: x1*cos - x2*sin, x2*cos + x1*sin
+        q_rot = tl.where(first[None, :], qx * cos[None, :] - qp * sin[None, :],
+                         qx * cos[None, :] + qp * sin[None, :])
+        q = tl.where(rot, q_rot, qx).to(q_ptr.dtype.element_ty)
+        # the newest token's k and v, into the cache by the program whose chunk holds it
+        slot = tl.load(slot_ptr + b, mask=live, other=-1).to(tl.int64)
+        newest = seq_len - 1
+        writes = (slot >= 0) & (slot < num_slots) & live & (newest >= start) & (newest < end)
+        k_at = k_new_ptr + b * stride_nb + g * stride_nh
+        kx = tl.load(k_at + offs_d, mask=writes, other=0.0).to(tl.float32)
+        kp = tl.load(k_at + partner, mask=writes, other=0.0).to(tl.float32)
+        k_rot = tl.where(first, kx * cos - kp * sin, kx * cos + kp * sin)
+        k_new = tl.where(rot, k_rot, kx).to(k_new_ptr.dtype.element_ty)
+        v_new = tl.load(v_new_ptr + b * stride_vnb + g * stride_vnh + offs_d, mask=writes,
+                        other=0.0)
+        if KV_FP8:
+            k_new = quantize_e4m3(k_new, tl.load(k_scale_ptr))
+            v_new = quantize_e4m3(v_new, tl.load(v_scale_ptr))
+        at = ((slot // BLOCK_SIZE) * stride_kblk + (slot % BLOCK_SIZE) * stride_ktok
+              + g * stride_khead + offs_d)
+        cache_ty = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + at, k_new.to(cache_ty), mask=writes)
+        tl.store(v_cache_ptr + at, v_new.to(cache_ty), mask=writes)
+        tl.debug_barrier()  # the stores are seen by the program's other threads below
 
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
@@ -280,6 +335,19 @@ def dequantized(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor
     return cache.float() * scale if is_fp8(cache.dtype) else cache.float()
 
 
+class RopeWrite(NamedTuple):
+    """A decode step's rotary embedding and KV write, for ``paged_decode_attention`` to
+    do (``kernels.rope_kv_cache``'s layouts): ``positions [B]`` int64, the new ``k, v
+    [B, Hk, D]`` (unrotated), ``cos_sin_cache [max_position, D]`` fp32, ``slot_mapping
+    [B]`` int64 (< 0: not written)."""
+
+    positions: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -292,14 +360,22 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rope: RopeWrite | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns ``out [B, Hq, D]`` (q's dtype).
 
     ``num_splits``: None chooses with :func:`choose_num_splits`, using ``max_seq_len`` (or,
     without it, the block table's capacity, so no device sync is needed). ``k_scale``,
-    ``v_scale``: an FP8 cache's fp32 scales (``[]``).
+    ``v_scale``: an FP8 cache's fp32 scales (``[]``). ``rope``: q is unrotated, and the
+    step's rotary embedding and KV write are done here too (module doc).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
+    if rope is not None:
+        from kvscale.kernels import rope_kv_cache, rotary
+
+        rope_kv_cache.check_rope_write(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache,
+                                       k_cache, v_cache, rope.slot_mapping, k_scale, v_scale)
+        rotary.check_kernel_layout(q=q, k=rope.k, v=rope.v, cos_sin_cache=rope.cos_sin_cache)
     kv_fp8 = is_fp8(k_cache.dtype)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -310,6 +386,8 @@ def paged_decode_attention(
         )
     if q.stride(2) != 1:
         q = q.contiguous()
+    if rope is not None and not k_cache.is_contiguous():
+        raise ValueError("the KV cache must be contiguous")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.stride(2) != 1:
@@ -346,6 +424,8 @@ def paged_decode_attention(
         acc_buf,
         k_scale if kv_fp8 else out,
         v_scale if kv_fp8 else out,
+        *(rope[:4] if rope is not None else (seq_lens, out, out, out)),
+        rope.slot_mapping if rope is not None else seq_lens,
         scale * LOG2E,
         batch,
         num_heads,
@@ -357,6 +437,10 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *(rope.k.stride()[:2] + rope.v.stride()[:2] if rope is not None else (0, 0, 0, 0)),
+        rope.cos_sin_cache.stride(0) if rope is not None else 0,
+        rope.cos_sin_cache.shape[0] if rope is not None else 0,
+        k_cache.shape[0] * k_cache.shape[1],
         QG=qg,
         QG_PAD=max(16, next_power_of_2(qg)),
         HEAD_DIM=head_dim,
@@ -367,6 +451,7 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         KV_FP8=kv_fp8,
         KV_F16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
+        ROPE=rope is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -118,7 +118,9 @@ def rope_and_write_kv(
 ) -> torch.Tensor:
     """The rotated q (new, ``[T, Hq, D]`` contiguous, q's dtype); the rotated k and v
     stored at ``slot_mapping`` (see module doc)."""
-    _check(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_rope_write(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale
+    )
     rotary.check_kernel_layout(q=q, k=k, v=v, cos_sin_cache=cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -174,14 +176,16 @@ def rope_and_write_kv_ref(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of :func:`rope_and_write_kv`: the two references in turn."""
-    _check(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_rope_write(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale
+    )
     q_out, k_rot = q.contiguous().clone(), k.clone()
     rotary_embedding_ref(positions, q_out, k_rot, cos_sin_cache)
     write_kv_cache_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q_out
 
 
-def _check(
+def check_rope_write(
     positions: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
