@@ -58,6 +58,22 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """``q [T, Hq, D]`` -> ``[T, Hq, D]``; each query sees its sequence up to itself."""
 
+    def rope_write_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """:meth:`rope_and_write_kv`, then :meth:`attend` with the rotated q; backends may
+        do the two in fewer kernels."""
+        q = self.rope_and_write_kv(q, k, v, positions, cos_sin_cache, kv, meta)
+        return self.attend(q, kv, meta, scale)
+
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
     """``name``: "auto" (Triton on CUDA, torch otherwise), "torch" or "triton"."""

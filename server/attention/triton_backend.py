@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvscale.kernels.kv_cache import write_kv_cache
-from kvscale.kernels.paged_decode import paged_decode_attention
+from kvscale.kernels.paged_decode import RopeWrite, paged_decode_attention
 from kvscale.kernels.paged_prefill import paged_prefill_attention
 from kvscale.kernels.rope_kv_cache import rope_and_write_kv
 from kvscale.server.attention.backend import AttentionBackend
@@ -14,11 +16,16 @@ from kvscale.server.worker.kv_pool import LayerKV
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Decode-only steps use the paged decode kernel (split-KV chosen automatically);
-    steps with any prefill chunk use the variable-length prefill/extend kernel, which
-    also handles the decode rows of a mixed batch."""
+    """Decode-only steps use the paged decode kernel (split-KV chosen automatically),
+    which also does their rotary embedding and KV write (one launch, not two;
+    ``KVSCALE_FUSED_DECODE=0``: two); steps with any prefill chunk use the
+    variable-length prefill/extend kernel, which also handles the decode rows of a mixed
+    batch, after the fused rotary + KV write kernel."""
 
     name = "triton"
+
+    def __init__(self) -> None:
+        self.rope_in_decode = os.environ.get("KVSCALE_FUSED_DECODE", "1") != "0"
 
     def write_kv(
         self,
@@ -84,4 +91,33 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             k_scale=kv.k_scale,
             v_scale=kv.v_scale,
+        )
+
+    def rope_write_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if not (self.rope_in_decode and meta.is_decode_only):
+            return super().rope_write_and_attend(
+                q, k, v, positions, cos_sin_cache, kv, meta, scale
+            )
+        meta.check_tokens(q, "q")
+        return paged_decode_attention(
+            q,
+            kv.k,
+            kv.v,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            max_seq_len=meta.max_seq_len,
+            k_scale=kv.k_scale,
+            v_scale=kv.v_scale,
+            rope=RopeWrite(positions, k, v, cos_sin_cache, meta.slot_mapping),
         )

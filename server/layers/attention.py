@@ -44,8 +44,9 @@ def paged_attention_impl(
     n = ctx.attn.slot_mapping.shape[0]
     if n < q.shape[0]:
         q, k, v, positions, out = q[:n], k[:n], v[:n], positions[:n], out[:n]
-    q = ctx.backend.rope_and_write_kv(q, k, v, positions, cos_sin_cache, kv, ctx.attn)
-    out.copy_(ctx.backend.attend(q, kv, ctx.attn, scale))
+    out.copy_(
+        ctx.backend.rope_write_and_attend(q, k, v, positions, cos_sin_cache, kv, ctx.attn, scale)
+    )
 
 
 paged_attention = torch.library.custom_op(
@@ -129,8 +130,7 @@ class Attention(nn.Module):
             )
         else:
             ctx = get_forward_context()
-            q = ctx.backend.rope_and_write_kv(
-                q, k, v, positions, rotary.cos_sin_cache, kv, ctx.attn
+            out = ctx.backend.rope_write_and_attend(
+                q, k, v, positions, rotary.cos_sin_cache, kv, ctx.attn, self.scale
             )
-            out = ctx.backend.attend(q, kv, ctx.attn, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
