@@ -852,6 +852,26 @@ plan_r63() {
 # graphs' L2 prefetch (its GPU tests, C off/on alternated at TP=1 and TP=2, TP=1's step by
 # kernel); removed after them: C slower with it at both sizes (NOTES e54 measured).
 
+# r66 (one H100, issue 23; NOTES e56): RoPE + KV write inside the decode kernel: the
+# decode, rotary and fused kernel tests natively, the engine, speculative and piecewise GPU
+# tests, C with it off (KVSCALE_FUSED_DECODE=0) and on alternated three times, C's step
+# by kernel with it on.
+plan_r66() {
+  facts
+  ckpt_beside tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
+    tests/kernels/test_paged_decode_rope.py tests/kernels/test_paged_decode.py \
+    tests/kernels/test_rope_kv_cache.py
+  step tests-gpu 420 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
+  for round in 1 2 3; do
+    step "c-off-$round" 150 env KVSCALE_FUSED_DECODE=0 python3 bench/engine_bench.py \
+      --out-dir "$RES/off-$round" --ckpt "$CKPT" --phases c
+    step "c-on-$round" 150 python3 bench/engine_bench.py \
+      --out-dir "$RES/on-$round" --ckpt "$CKPT" --phases c
+  done
+  bench decode-kernels 120 decode-kernels
+  step tests-piecewise 240 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

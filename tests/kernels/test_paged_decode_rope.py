@@ -87,3 +87,39 @@ def test_a_bad_rope_is_refused(device: torch.device) -> None:
     with pytest.raises(ValueError, match="positions"):
         paged_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"],
                                0.125, rope=r)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_triton_backend_fuses_decode_only_steps(
+    fused: bool, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode-only steps go through the decode kernel alone (the rotary + KV write kernel
+    is not called) unless ``KVSCALE_FUSED_DECODE=0``; either way the same output."""
+    from kvscale.server.attention import triton_backend
+    from kvscale.server.attention.metadata import AttentionMetadata
+    from kvscale.server.worker.kv_pool import LayerKV
+
+    monkeypatch.setenv("KVSCALE_FUSED_DECODE", "1" if fused else "0")
+    backend = triton_backend.TritonAttentionBackend()
+    c = _case(torch.float32, 2, 4, 64, 16, False, device)
+    r = c["rope"]
+    b = len(SEQ_LENS)
+    meta = AttentionMetadata(
+        slot_mapping=r.slot_mapping, query_start_loc=torch.arange(b + 1, dtype=torch.int32,
+                                                                  device=device),
+        seq_lens=c["seq_lens"], block_tables=c["tables"], max_query_len=1, max_seq_len=700,
+    )
+    unit = torch.ones((), device=device)
+    two = LayerKV(c["k_cache"].clone(), c["v_cache"].clone(), unit, unit)
+    want = triton_backend.AttentionBackend.rope_write_and_attend(
+        backend, c["q"], r.k, r.v, r.positions, r.cos_sin_cache, two, meta, 0.125)
+    calls = []
+    real = triton_backend.rope_and_write_kv
+    monkeypatch.setattr(triton_backend, "rope_and_write_kv",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    one = LayerKV(c["k_cache"].clone(), c["v_cache"].clone(), unit, unit)
+    got = backend.rope_write_and_attend(c["q"], r.k, r.v, r.positions, r.cos_sin_cache, one,
+                                        meta, 0.125)
+    assert len(calls) == (0 if fused else 1)
+    assert torch.equal(_bits(one.k), _bits(two.k)) and torch.equal(_bits(one.v), _bits(two.v))
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))
