@@ -16,16 +16,17 @@ from kvscale.server.worker.kv_pool import LayerKV
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Decode-only steps use the paged decode kernel (split-KV chosen automatically),
-    which also does their rotary embedding and KV write (one launch, not two;
-    ``KVSCALE_FUSED_DECODE=0``: two); steps with any prefill chunk use the
-    variable-length prefill/extend kernel, which also handles the decode rows of a mixed
-    batch, after the fused rotary + KV write kernel."""
+    """Decode-only steps use the paged decode kernel (split-KV chosen automatically);
+    steps with any prefill chunk use the variable-length prefill/extend kernel, which
+    also handles the decode rows of a mixed batch; both after the fused rotary + KV
+    write kernel. ``KVSCALE_FUSED_DECODE=1`` has the decode kernel do a decode-only
+    step's rotary embedding and KV write itself (one launch a layer, not two); off by
+    default until measured on a GPU (NOTES e56)."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        self.rope_in_decode = os.environ.get("KVSCALE_FUSED_DECODE", "1") != "0"
+        self.rope_in_decode = os.environ.get("KVSCALE_FUSED_DECODE", "0") == "1"
 
     def write_kv(
         self,

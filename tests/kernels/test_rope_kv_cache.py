@@ -122,7 +122,8 @@ def test_bad_shapes_are_refused(device: torch.device) -> None:
 def test_an_engine_on_the_triton_backend_decodes_as_the_torch_backend(llama_ckpt) -> None:
     """The fused kernel in the engine (with the Triton attention, elementwise and argmax
     kernels under the interpreter), fp32, chunked prefill and preemption: the same greedy
-    tokens as the torch backend, whose rotary and KV write are the two references."""
+    tokens as the torch backend, whose rotary and KV write are the two references; and
+    with the decode kernel doing decode steps' rotary and KV write."""
     from kvscale.server import LLM, SamplingParams
     from tests.hf_reference import random_prompts
 
@@ -133,9 +134,16 @@ def test_an_engine_on_the_triton_backend_decodes_as_the_torch_backend(llama_ckpt
     )  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs, stats = {}, {}
-    for backend in ("torch", "triton"):
-        llm = LLM(str(llama_ckpt), **tight, attention_backend=backend)
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        stats[backend] = llm.engine.stats()
-    assert outs["triton"] == outs["torch"]
+    # "triton-fused": decode-only steps rotate and write K/V in the decode kernel
+    for name, backend, fused in (("torch", "torch", "0"), ("triton", "triton", "0"),
+                                 ("triton-fused", "triton", "1")):
+        os.environ["KVSCALE_FUSED_DECODE"] = fused
+        try:
+            llm = LLM(str(llama_ckpt), **tight, attention_backend=backend)
+        finally:
+            del os.environ["KVSCALE_FUSED_DECODE"]
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        stats[name] = llm.engine.stats()
+    assert outs["triton"] == outs["torch"] == outs["triton-fused"]
     assert stats["triton"].num_preemptions > 0
+    assert llm.engine.worker.backend.rope_in_decode
