@@ -3,7 +3,9 @@
 #   bench/gpu_lease.sh start PLAN   runs bench/gpu_lease.sh's PLAN (a function below) in a
 #                                   session of its own, so it outlives the device call
 #   bench/gpu_lease.sh wait SECONDS follows the run until it ends or SECONDS pass, then packs
-#                                   results and logs into $OUT/results.tgz
+#                                   results and logs into $OUT/results.tgz (SECONDS well
+#                                   under the call's limit, which is lower when little
+#                                   device time is left: past it nothing is packed)
 # Each step has its own time limit and log ($RES/<step>.log); $RES/log.txt says when each
 # started and how it ended. Source bench/gpu_setup.sh first (wheels, editable install).
 RES=${RES:-/tmp/lease}
@@ -852,24 +854,28 @@ plan_r63() {
 # graphs' L2 prefetch (its GPU tests, C off/on alternated at TP=1 and TP=2, TP=1's step by
 # kernel); removed after them: C slower with it at both sizes (NOTES e54 measured).
 
-# r66 (one H100, issue 23; NOTES e56): RoPE + KV write inside the decode kernel: the
-# decode, rotary and fused kernel tests natively, the engine, speculative and piecewise GPU
-# tests, C with it off (KVSCALE_FUSED_DECODE=0) and on alternated three times, C's step
-# by kernel with it on.
+# r66 (one H100, issue 23; NOTES e56): RoPE + KV write inside the decode kernel
+# (KVSCALE_FUSED_DECODE=1): the decode, rotary and fused kernel tests natively, the engine
+# and speculative GPU tests with it on, C with it off (the default) and on alternated
+# three times, C's step by kernel with it on, the piecewise GPU tests with it on.
+# The first try (2026-11-28 00:40) ran out of this session's device time before `wait`
+# packed anything: nothing came back.
 plan_r66() {
   facts
   ckpt_beside tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
     tests/kernels/test_paged_decode_rope.py tests/kernels/test_paged_decode.py \
     tests/kernels/test_rope_kv_cache.py
-  step tests-gpu 420 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
+  step tests-gpu 420 env KVSCALE_FUSED_DECODE=1 "${PT[@]}" tests/gpu/test_engine_cuda.py \
+    tests/gpu/test_spec_cuda.py
   for round in 1 2 3; do
-    step "c-off-$round" 150 env KVSCALE_FUSED_DECODE=0 python3 bench/engine_bench.py \
+    step "c-off-$round" 150 python3 bench/engine_bench.py \
       --out-dir "$RES/off-$round" --ckpt "$CKPT" --phases c
-    step "c-on-$round" 150 python3 bench/engine_bench.py \
+    step "c-on-$round" 150 env KVSCALE_FUSED_DECODE=1 python3 bench/engine_bench.py \
       --out-dir "$RES/on-$round" --ckpt "$CKPT" --phases c
   done
-  bench decode-kernels 120 decode-kernels
-  step tests-piecewise 240 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
+  step decode-kernels 120 env KVSCALE_FUSED_DECODE=1 python3 bench/engine_bench.py \
+    --out-dir "$RES" --ckpt "$CKPT" --phases decode-kernels
+  step tests-piecewise 240 env KVSCALE_FUSED_DECODE=1 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
 }
 
 case "$1" in
