@@ -70,17 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta.check_tokens(q, "q")
         if meta.is_decode_only:
-            return paged_decode_attention(
-                q,
-                kv.k,
-                kv.v,
-                meta.block_tables,
-                meta.seq_lens,
-                scale,
-                max_seq_len=meta.max_seq_len,
-                k_scale=kv.k_scale,
-                v_scale=kv.v_scale,
-            )
+            return self._decode(q, kv, meta, scale)
         return paged_prefill_attention(
             q,
             kv.k,
@@ -110,6 +100,17 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k, v, positions, cos_sin_cache, kv, meta, scale
             )
         meta.check_tokens(q, "q")
+        rope = RopeWrite(positions, k, v, cos_sin_cache, meta.slot_mapping)
+        return self._decode(q, kv, meta, scale, rope)
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        rope: RopeWrite | None = None,
+    ) -> torch.Tensor:
         return paged_decode_attention(
             q,
             kv.k,
@@ -120,5 +121,5 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=meta.max_seq_len,
             k_scale=kv.k_scale,
             v_scale=kv.v_scale,
-            rope=RopeWrite(positions, k, v, cos_sin_cache, meta.slot_mapping),
+            rope=rope,
         )
