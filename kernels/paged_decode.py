@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvscale.kernels import rope_kv_cache, rotary
 from kvscale.kernels._utils import (
     dot_precision,
     is_interpreter,
@@ -371,8 +372,6 @@ def paged_decode_attention(
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     if rope is not None:
-        from kvscale.kernels import rope_kv_cache, rotary
-
         rope_kv_cache.check_rope_write(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache,
                                        k_cache, v_cache, rope.slot_mapping, k_scale, v_scale)
         rotary.check_kernel_layout(q=q, k=rope.k, v=rope.v, cos_sin_cache=rope.cos_sin_cache)
@@ -386,8 +385,6 @@ def paged_decode_attention(
         )
     if q.stride(2) != 1:
         q = q.contiguous()
-    if rope is not None and not k_cache.is_contiguous():
-        raise ValueError("the KV cache must be contiguous")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.stride(2) != 1:
@@ -412,6 +409,12 @@ def paged_decode_attention(
         )
     else:
         m_buf = l_buf = acc_buf = out  # unused placeholders
+    if rope is None:  # placeholders: the kernel reads none of them without ROPE
+        rope_ptrs, rope_sizes = (seq_lens, out, out, out, seq_lens), (0,) * 6
+    else:
+        rope_ptrs = (rope.positions, rope.k, rope.v, rope.cos_sin_cache, rope.slot_mapping)
+        rope_sizes = (*rope.k.stride()[:2], *rope.v.stride()[:2],
+                      rope.cos_sin_cache.stride(0), rope.cos_sin_cache.shape[0])
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -424,8 +427,7 @@ def paged_decode_attention(
         acc_buf,
         k_scale if kv_fp8 else out,
         v_scale if kv_fp8 else out,
-        *(rope[:4] if rope is not None else (seq_lens, out, out, out)),
-        rope.slot_mapping if rope is not None else seq_lens,
+        *rope_ptrs,
         scale * LOG2E,
         batch,
         num_heads,
@@ -437,9 +439,7 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        *(rope.k.stride()[:2] + rope.v.stride()[:2] if rope is not None else (0, 0, 0, 0)),
-        rope.cos_sin_cache.stride(0) if rope is not None else 0,
-        rope.cos_sin_cache.shape[0] if rope is not None else 0,
+        *rope_sizes,
         k_cache.shape[0] * k_cache.shape[1],
         QG=qg,
         QG_PAD=max(16, next_power_of_2(qg)),
