@@ -878,6 +878,24 @@ plan_r66() {
   step tests-piecewise 240 env KVSCALE_FUSED_DECODE=1 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
 }
 
+# 2 GPUs: the fused decode path (KVSCALE_FUSED_DECODE) under TP=2, and C off/on at TP=2 and
+# TP=1 alternated; the fused kernel's native test after its fp32 cache comparison was fixed
+plan_r67() {
+  facts
+  ckpt_beside tests-tp 420 env KVSCALE_FUSED_DECODE=1 "${PT[@]}" \
+    tests/gpu/test_tensor_parallel_cuda.py
+  for round in 1 2; do
+    for mode in 0 1; do
+      step "c-tp2-$mode-$round" 200 env KVSCALE_FUSED_DECODE=$mode python3 bench/engine_bench.py \
+        --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
+      step "c-tp1-$mode-$round" 150 env KVSCALE_FUSED_DECODE=$mode python3 bench/engine_bench.py \
+        --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
+    done
+  done
+  step tests-kernels 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
+    tests/kernels/test_paged_decode_rope.py
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -52,6 +52,16 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
+def _assert_same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-equal (the unused slots hold NaN garbage), except an fp32 cache on a GPU: there
+    the compiler may contract the rotation's multiply-adds into FMAs differently in the two
+    kernels (a last-bit difference that rounding to 16 or 8 bits hides)."""
+    if got.dtype == torch.float32 and on_native_gpu():
+        torch.testing.assert_close(got, want, equal_nan=True, **tolerances(torch.float32))
+    else:
+        assert torch.equal(_bits(got), _bits(want))
+
+
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache-as-model", "cache-fp8"])
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(2, 4, 64), (1, 1, 128)])
@@ -72,8 +82,8 @@ def test_rope_in_decode_equals_rope_kernel_then_decode(
     got = paged_decode_attention(c["q"], one["k_cache"], one["v_cache"], c["tables"],
                                  c["seq_lens"], scale, num_splits=num_splits,
                                  max_seq_len=700, rope=r, **c["scales"])
-    for n in ("k_cache", "v_cache"):  # NaN garbage in unused slots: compare bits
-        assert torch.equal(_bits(one[n]), _bits(two[n])), n
+    for n in ("k_cache", "v_cache"):
+        _assert_same_cache(one[n], two[n])
     assert not got.isnan().any()
     if on_native_gpu():  # the compiler may contract the rotation differently in each kernel
         torch.testing.assert_close(got, want, **tolerances(dtype))
@@ -121,5 +131,6 @@ def test_the_triton_backend_fuses_decode_only_steps(
     got = backend.rope_write_and_attend(c["q"], r.k, r.v, r.positions, r.cos_sin_cache, one,
                                         meta, 0.125)
     assert len(calls) == (0 if fused else 1)
-    assert torch.equal(_bits(one.k), _bits(two.k)) and torch.equal(_bits(one.v), _bits(two.v))
+    _assert_same_cache(one.k, two.k)
+    _assert_same_cache(one.v, two.v)
     torch.testing.assert_close(got, want, **tolerances(torch.float32))
