@@ -896,6 +896,26 @@ plan_r67() {
     tests/kernels/test_paged_decode_rope.py
 }
 
+# r69 (e58): the fused decode kernel's loads issued before its rotary table's. Needs
+# `git archive <the commit before e58> | tar x -C ab-prev` (untracked: it travels) for the
+# code before; C alternated between the two trees, an engine a process; the kernel and
+# engine tests natively at HEAD; C's step by kernel at HEAD.
+plan_r69() {
+  facts
+  ckpt_beside tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
+    tests/kernels/test_paged_decode_rope.py tests/kernels/test_paged_decode.py
+  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
+  for round in 1 2 3; do
+    install_tree ab-prev prev
+    step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
+      --ckpt "$CKPT" --phases c
+    install_tree . head
+    step "c-head-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/head-$round" \
+      --ckpt "$CKPT" --phases c
+  done
+  bench decode-kernels 120 decode-kernels
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

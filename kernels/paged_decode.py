@@ -29,7 +29,10 @@ table and the slots) the kernel also does ``kernels.rope_kv_cache``'s work for t
 saving its launch: q arrives unrotated and each program rotates its heads; the program
 whose context chunk holds the newest token rotates that token's k, stores it and v at its
 slot (quantized for an FP8 cache), and reads them back after a barrier. The rotation and
-rounding are ``rope_kv_cache``'s, so the output is that of the two kernels in turn.
+rounding are ``rope_kv_cache``'s, so the output is that of the two kernels in turn. The
+loads that do not need the position (slot, q's and k's partner halves, the new k and v)
+are issued before the rotary table's, so a program waits on two dependent loads (the
+position, then its cos/sin) before its loop instead of four (NOTES e58).
 """
 
 from __future__ import annotations
@@ -157,31 +160,33 @@ def _paged_decode_kernel(
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         live = b < num_seqs
-        pos = tl.load(pos_ptr + b, mask=live, other=-1).to(tl.int64)
-        rot = (pos >= 0) & (pos < max_position) & live
         first = offs_d < HALF
         partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+        # every load that does not need the position first: they are in flight together
+        # (the k and v loads are gated by `live`, not `writes`, so they wait on no slot)
+        pos = tl.load(pos_ptr + b, mask=live, other=-1).to(tl.int64)
+        slot = tl.load(slot_ptr + b, mask=live, other=-1).to(tl.int64)
+        qp = tl.load(q_at + partner[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+        k_at = k_new_ptr + b * stride_nb + g * stride_nh
+        kx = tl.load(k_at + offs_d, mask=live, other=0.0).to(tl.float32)
+        kp = tl.load(k_at + partner, mask=live, other=0.0).to(tl.float32)
+        v_new = tl.load(v_new_ptr + b * stride_vnb + g * stride_vnh + offs_d, mask=live,
+                        other=0.0)
+        rot = (pos >= 0) & (pos < max_position) & live
         cos = tl.load(cos_sin_ptr + pos * stride_c + offs_d % HALF, mask=rot, other=0.0)
         sin = tl.load(cos_sin_ptr + pos * stride_c + HALF + offs_d % HALF, mask=rot, other=0.0)
         cos = cos.to(tl.float32)
         sin = sin.to(tl.float32)
-        qp = tl.load(q_at + partner[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
         qx = q.to(tl.float32)
         # rope_kv_cache's expressions: x1*cos - x2*sin, x2*cos + x1*sin
         q_rot = tl.where(first[None, :], qx * cos[None, :] - qp * sin[None, :],
                          qx * cos[None, :] + qp * sin[None, :])
         q = tl.where(rot, q_rot, qx).to(q_ptr.dtype.element_ty)
         # the newest token's k and v, into the cache by the program whose chunk holds it
-        slot = tl.load(slot_ptr + b, mask=live, other=-1).to(tl.int64)
         newest = seq_len - 1
         writes = (slot >= 0) & (slot < num_slots) & live & (newest >= start) & (newest < end)
-        k_at = k_new_ptr + b * stride_nb + g * stride_nh
-        kx = tl.load(k_at + offs_d, mask=writes, other=0.0).to(tl.float32)
-        kp = tl.load(k_at + partner, mask=writes, other=0.0).to(tl.float32)
         k_rot = tl.where(first, kx * cos - kp * sin, kx * cos + kp * sin)
         k_new = tl.where(rot, k_rot, kx).to(k_new_ptr.dtype.element_ty)
-        v_new = tl.load(v_new_ptr + b * stride_vnb + g * stride_vnh + offs_d, mask=writes,
-                        other=0.0)
         if KV_FP8:
             k_new = quantize_e4m3(k_new, tl.load(k_scale_ptr))
             v_new = quantize_e4m3(v_new, tl.load(v_scale_ptr))
