@@ -28,11 +28,13 @@ With ``rope`` (a :class:`RopeWrite`: a decode step's positions, new k and v, the
 table and the slots) the kernel also does ``kernels.rope_kv_cache``'s work for the step,
 saving its launch: q arrives unrotated and each program rotates its heads; the program
 whose context chunk holds the newest token rotates that token's k, stores it and v at its
-slot (quantized for an FP8 cache), and reads them back after a barrier. The rotation and
-rounding are ``rope_kv_cache``'s, so the output is that of the two kernels in turn. The
-loads that do not need the position (slot, q's and k's partner halves, the new k and v)
-are issued before the rotary table's, so a program waits on two dependent loads (the
-position, then its cos/sin) before its loop instead of four (NOTES e58).
+slot (quantized for an FP8 cache). The rotation and rounding are ``rope_kv_cache``'s, so
+the cache is written bit for bit as the two kernels write it. Where the grid fills the GPU
+that program reads them back after a barrier, and the output is the two kernels' too;
+grids of at most one program an SM (batch-1 decode: latency-bound) rotate q inside the
+loop and add the newest token's term from registers after it (another order of summation:
+within rounding of the two kernels), so no load waits on the rotary table before the
+first K tile (``ROPE_BEFORE_LOOP``, ``ROPE_IN_LOOP``; NOTES e58).
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ from kvscale.kernels._utils import (
 from kvscale.kernels.fp8 import is_fp8, quantize_e4m3
 
 LOG2E = 1.4426950408889634
+
+# How the kernel does a step's RoPE + KV write (``rope``). Before the loop: q rotated, the
+# newest k and v stored and read back by the loop after a barrier; the kernel's registers
+# as without rope (96 a thread at the 8B shapes in bf16). In the loop: q rotated in each
+# iteration (its cos/sin then load beside the first tile's block table and K instead of
+# before them), the newest token's term added after the loop from registers; more
+# registers (148), which only costs where an SM holds more than one program, so it is
+# taken for grids of at most one program an SM (batch-1 decode), NOTES e58.
+ROPE_BEFORE_LOOP = 1
+ROPE_IN_LOOP = 2
 
 # Split-KV policy (see choose_num_splits).
 MIN_TOKENS_PER_SPLIT = 256
@@ -87,6 +99,56 @@ def decode_config(head_dim: int, block_size: int) -> dict[str, int]:
         return {"BLOCK_N": max(16, min(block_size, 32)), "num_warps": 4, "num_stages": 1}
     block_n = 64 if head_dim <= 128 else 32
     return {"BLOCK_N": max(block_n, min(block_size, 128)), "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _rotate(x, xp, cos, sin, first):
+    """rope_kv_cache's rotation in fp32: x1*cos - x2*sin, x2*cos + x1*sin (``xp``: x's
+    partner half, ``first``: which half each element is in)."""
+    return tl.where(first, x * cos - xp * sin, x * cos + xp * sin)
+
+
+@triton.jit
+def _rotate_q(q, qp, cos, sin, first, rot):
+    """q ``[QG_PAD, D]`` rotated (``rot``: the position is in the table; else as is), in
+    q's dtype; ``qp``: q's partner halves, ``cos``/``sin``/``first`` ``[D]``."""
+    qx = q.to(tl.float32)
+    q_rot = _rotate(qx, qp.to(tl.float32), cos[None, :], sin[None, :], first[None, :])
+    return tl.where(rot, q_rot, qx).to(q.dtype)
+
+
+@triton.jit
+def _write_newest_kv(kx, kp, v, cos, sin, first, rot, slot, writes, g, k_cache_ptr,
+                     v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_kblk, stride_ktok,
+                     stride_khead, offs_d, k_dtype, BLOCK_SIZE: tl.constexpr,
+                     KV_FP8: tl.constexpr):
+    """The newest token's k (``kx``, partner half ``kp``, fp32 ``[D]``) rotated and rounded
+    to ``k_dtype``, and its v, quantized for an FP8 cache, stored at ``slot`` where
+    ``writes``; returns the two as stored (the cache's dtype)."""
+    k = tl.where(rot, _rotate(kx, kp, cos, sin, first), kx).to(k_dtype)
+    if KV_FP8:
+        k = quantize_e4m3(k, tl.load(k_scale_ptr))
+        v = quantize_e4m3(v, tl.load(v_scale_ptr))
+    cache_ty = k_cache_ptr.dtype.element_ty
+    k = k.to(cache_ty)
+    v = v.to(cache_ty)
+    at = ((slot // BLOCK_SIZE) * stride_kblk + (slot % BLOCK_SIZE) * stride_ktok
+          + g * stride_khead + offs_d)
+    tl.store(k_cache_ptr + at, k, mask=writes)
+    tl.store(v_cache_ptr + at, v, mask=writes)
+    return k, v
+
+
+@triton.jit
+def _q_operand(q, scale_log2e, KV_FP8: tl.constexpr, KV_F16: tl.constexpr):
+    """q as the score dot takes it. With an FP8 cache and 16-bit q the FP8 tiles meet q
+    and p as fp16: e4m3 -> fp16 is one conversion a pair of values on sm_90, -> bf16 two
+    more a value (NOTES e36). q is scaled first (into fp16's range, clamped: never inf);
+    both conversions of q are exact but for that one rounding to fp16's 11 bits."""
+    if KV_FP8:
+        if KV_F16:
+            q = tl.clamp(q.to(tl.float32) * scale_log2e, -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 # Sizes that change every step are not specialized on, so no step recompiles.
@@ -157,73 +219,70 @@ def _paged_decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_at + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    qk_scale = scale_log2e
+    if KV_FP8:
+        if KV_F16:
+            qk_scale = tl.load(k_scale_ptr)
+        else:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
+    loop_end = end
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         live = b < num_seqs
         first = offs_d < HALF
         partner = tl.where(first, offs_d + HALF, offs_d - HALF)
         # every load that does not need the position first: they are in flight together
-        # (the k and v loads are gated by `live`, not `writes`, so they wait on no slot)
         pos = tl.load(pos_ptr + b, mask=live, other=-1).to(tl.int64)
         slot = tl.load(slot_ptr + b, mask=live, other=-1).to(tl.int64)
-        qp = tl.load(q_at + partner[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+        qp = tl.load(q_at + partner[None, :], mask=row_mask[:, None], other=0.0)
         k_at = k_new_ptr + b * stride_nb + g * stride_nh
         kx = tl.load(k_at + offs_d, mask=live, other=0.0).to(tl.float32)
         kp = tl.load(k_at + partner, mask=live, other=0.0).to(tl.float32)
         v_new = tl.load(v_new_ptr + b * stride_vnb + g * stride_vnh + offs_d, mask=live,
                         other=0.0)
         rot = (pos >= 0) & (pos < max_position) & live
-        cos = tl.load(cos_sin_ptr + pos * stride_c + offs_d % HALF, mask=rot, other=0.0)
-        sin = tl.load(cos_sin_ptr + pos * stride_c + HALF + offs_d % HALF, mask=rot, other=0.0)
-        cos = cos.to(tl.float32)
-        sin = sin.to(tl.float32)
-        qx = q.to(tl.float32)
-        # rope_kv_cache's expressions: x1*cos - x2*sin, x2*cos + x1*sin
-        q_rot = tl.where(first[None, :], qx * cos[None, :] - qp * sin[None, :],
-                         qx * cos[None, :] + qp * sin[None, :])
-        q = tl.where(rot, q_rot, qx).to(q_ptr.dtype.element_ty)
-        # the newest token's k and v, into the cache by the program whose chunk holds it
+        cs_at = cos_sin_ptr + pos * stride_c + offs_d % HALF
         newest = seq_len - 1
         writes = (slot >= 0) & (slot < num_slots) & live & (newest >= start) & (newest < end)
-        k_rot = tl.where(first, kx * cos - kp * sin, kx * cos + kp * sin)
-        k_new = tl.where(rot, k_rot, kx).to(k_new_ptr.dtype.element_ty)
-        if KV_FP8:
-            k_new = quantize_e4m3(k_new, tl.load(k_scale_ptr))
-            v_new = quantize_e4m3(v_new, tl.load(v_scale_ptr))
-        at = ((slot // BLOCK_SIZE) * stride_kblk + (slot % BLOCK_SIZE) * stride_ktok
-              + g * stride_khead + offs_d)
-        cache_ty = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + at, k_new.to(cache_ty), mask=writes)
-        tl.store(v_cache_ptr + at, v_new.to(cache_ty), mask=writes)
-        tl.debug_barrier()  # the stores are seen by the program's other threads below
+        if ROPE == 1:  # rotate q, write the newest k and v, then the loop reads them back
+            cos = tl.load(cs_at, mask=rot, other=0.0).to(tl.float32)
+            sin = tl.load(cs_at + HALF, mask=rot, other=0.0).to(tl.float32)
+            q = _rotate_q(q, qp, cos, sin, first, rot)
+            _write_newest_kv(kx, kp, v_new, cos, sin, first, rot, slot, writes, g, k_cache_ptr,
+                             v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_kblk, stride_ktok,
+                             stride_khead, offs_d, k_new_ptr.dtype.element_ty, BLOCK_SIZE,
+                             KV_FP8)
+            tl.debug_barrier()  # the stores are seen by the program's other threads below
+        else:  # the loop stops before the newest token; its term is added from registers
+            loop_end = tl.where(writes, newest, end)
+    if ROPE != 2:
+        q_op = _q_operand(q, scale_log2e, KV_FP8, KV_F16)
 
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
     acc = tl.zeros([QG_PAD, HEAD_DIM], tl.float32)
-    qk_scale = scale_log2e
-    if KV_FP8:
-        if KV_F16:
-            # the FP8 tiles meet q and p as fp16: e4m3 -> fp16 is one conversion a pair of
-            # values on sm_90, -> bf16 two more a value (NOTES e36). q is scaled first
-            # (into fp16's range, clamped: never inf); both conversions of q are exact
-            # but for that one rounding to fp16's 11 bits
-            q = tl.clamp(q.to(tl.float32) * scale_log2e, -65504.0, 65504.0).to(tl.float16)
-            qk_scale = tl.load(k_scale_ptr)
-        else:
-            qk_scale = qk_scale * tl.load(k_scale_ptr)
     kv_head_off = g * stride_khead
-    for tok0 in range(start, end, BLOCK_N):
+    for tok0 in range(start, loop_end, BLOCK_N):
         offs_n = tok0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+        n_mask = offs_n < loop_end
         blk = tl.load(
             block_tables_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
         ).to(tl.int64)
         tok_off = blk * stride_kblk + (offs_n % BLOCK_SIZE) * stride_ktok + kv_head_off
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if ROPE == 2:
+            # q is rotated here, not before the loop: its cos/sin (an address tied to the
+            # loop, so not hoisted) are then loaded after the first tile's table and K
+            # loads are issued, and their wait overlaps those instead of preceding them
+            at_tok = cs_at + tl.minimum(tok0 - start, 0)
+            cos = tl.load(at_tok, mask=rot, other=0.0).to(tl.float32)
+            sin = tl.load(at_tok + HALF, mask=rot, other=0.0).to(tl.float32)
+            q_op = _q_operand(_rotate_q(q, qp, cos, sin, first, rot), scale_log2e, KV_FP8,
+                              KV_F16)
         if KV_FP8:
-            k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            k = k.to(q_op.dtype)
+        scores = tl.dot(q_op, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -231,9 +290,32 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
-            v = v.to(q.dtype)
+            v = v.to(q_op.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+
+    if ROPE == 2:
+        if writes:  # the program whose chunk holds the newest token
+            cos = tl.load(cs_at, mask=rot, other=0.0).to(tl.float32)
+            sin = tl.load(cs_at + HALF, mask=rot, other=0.0).to(tl.float32)
+            q_op = _q_operand(_rotate_q(q, qp, cos, sin, first, rot), scale_log2e, KV_FP8,
+                              KV_F16)
+            k_c, v_c = _write_newest_kv(kx, kp, v_new, cos, sin, first, rot, slot, writes, g,
+                                        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                        stride_kblk, stride_ktok, stride_khead, offs_d,
+                                        k_new_ptr.dtype.element_ty, BLOCK_SIZE, KV_FP8)
+            # its term, as the loop would have added it: the cached values in the
+            # operands' dtype, products in fp32, p rounded to v's dtype
+            kq = k_c.to(q_op.dtype).to(tl.float32)
+            vq = v_c.to(q_op.dtype)
+            s_new = tl.sum(q_op.to(tl.float32) * kq[None, :], 1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            p_v = p_new.to(vq.dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p_v[:, None] * vq.to(tl.float32)[None, :]
+            m_i = m_new
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -414,6 +496,10 @@ def paged_decode_attention(
         )
     else:
         m_buf = l_buf = acc_buf = out  # unused placeholders
+    rope_mode = 0  # see ROPE_BEFORE_LOOP, ROPE_IN_LOOP
+    if rope is not None:
+        programs = batch * num_kv_heads * num_splits
+        rope_mode = ROPE_IN_LOOP if programs <= num_sms(q.device) else ROPE_BEFORE_LOOP
     if rope is None:  # placeholders: the kernel reads none of them without ROPE
         rope_ptrs, rope_sizes = (seq_lens, out, out, out, seq_lens), (0,) * 6
     else:
@@ -456,7 +542,7 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         KV_FP8=kv_fp8,
         KV_F16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
-        ROPE=rope is not None,
+        ROPE=rope_mode,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvscale.kernels.fp8 import FP8_E4M3
+from kvscale.kernels import paged_decode
 from kvscale.kernels.paged_decode import RopeWrite, paged_decode_attention
 from kvscale.kernels.rope_kv_cache import rope_and_write_kv
 from kvscale.kernels.rotary import compute_cos_sin_cache
@@ -66,10 +67,16 @@ def _assert_same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache-as-model", "cache-fp8"])
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(2, 4, 64), (1, 1, 128)])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("in_loop", [False, True], ids=["before-loop", "in-loop"])
 def test_rope_in_decode_equals_rope_kernel_then_decode(
     dtype: torch.dtype, fp8: bool, kv_heads: int, group: int, head_dim: int,
-    num_splits: int | None, device: torch.device,
+    num_splits: int | None, in_loop: bool, device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Both ways the kernel does the RoPE + KV write: before its loop (grids larger than
+    the GPU's SMs) and in it (at most one program an SM: here by the SM count it sees)."""
+    if in_loop:
+        monkeypatch.setattr(paged_decode, "num_sms", lambda device: 10_000)
     c = _case(dtype, kv_heads, group, head_dim, 16, fp8, device)
     r, scale = c["rope"], head_dim**-0.5
     two = {n: c[n].clone() for n in ("k_cache", "v_cache")}
@@ -85,7 +92,9 @@ def test_rope_in_decode_equals_rope_kernel_then_decode(
     for n in ("k_cache", "v_cache"):
         _assert_same_cache(one[n], two[n])
     assert not got.isnan().any()
-    if on_native_gpu():  # the compiler may contract the rotation differently in each kernel
+    if in_loop or on_native_gpu():
+        # in the loop the newest token's term is added after it, from registers (another
+        # order of summation); natively the compiler may contract the rotation otherwise
         torch.testing.assert_close(got, want, **tolerances(dtype))
     else:
         assert torch.equal(got, want)
