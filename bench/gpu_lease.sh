@@ -896,9 +896,9 @@ plan_r67() {
     tests/kernels/test_paged_decode_rope.py
 }
 
-# r69 (e58): the fused decode kernel's loads issued before its rotary table's. Needs
-# `git archive <the commit before e58> | tar x -C ab-prev` (untracked: it travels) for the
-# code before; C alternated between the two trees, an engine a process; the kernel and
+# r69 (e58): the fused decode kernel's loads issued before its rotary table's, and q
+# rotated in its loop for small grids. Needs `mkdir ab-prev && git archive 57b8b30 | tar x
+# -C ab-prev` (untracked: it travels) for the code before; C alternated between the two trees, an engine a process; the kernel and
 # engine tests natively at HEAD; C's step by kernel at HEAD.
 plan_r69() {
   facts
@@ -914,6 +914,7 @@ plan_r69() {
       --ckpt "$CKPT" --phases c
   done
   bench decode-kernels 120 decode-kernels
+  bench decode-kernels-a 300 decode-kernels-a
 }
 
 case "$1" in

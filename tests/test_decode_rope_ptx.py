@@ -1,7 +1,9 @@
 """The decode kernel with the rotary embedding and KV write in it (``RopeWrite``) builds
 for Hopper natively (its arithmetic is tested under the interpreter in tests/kernels):
-compiled here for sm_90 in bf16, with and without splits and with an FP8 cache, its PTX
-holds the barrier after the K/V stores, and the kernel without ``ROPE`` holds none."""
+compiled here for sm_90 in bf16, with and without splits and with an FP8 cache. Rotating
+before the loop, its PTX holds a barrier more than the kernel without rope (after the K/V
+stores); rotating in the loop, the rotary table is read by asynchronous copies (pipelined
+beside the first K tile)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ POINTERS = {
 }  # fmt: skip
 
 
-def _ptx(rope: bool, split: bool, fp8: bool) -> str:
+def _ptx(rope: int, split: bool, fp8: bool) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,14 +38,22 @@ def _ptx(rope: bool, split: bool, fp8: bool) -> str:
                 sig[name] = "*fp8e4nv"
         else:
             sig[name] = "fp32" if name == "scale_log2e" else "i32"
-    src = ASTSource(fn=_paged_decode_kernel, signature=sig, constexprs=consts)
+    # the launch's hints: pointers and sizes divisible by 16 (the loads vectorize)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_paged_decode_kernel.arg_names)
+             if sig[n] != "constexpr" and n not in ("num_seqs", "stride_bt", "scale_log2e")}
+    src = ASTSource(fn=_paged_decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
 
 
 @pytest.mark.parametrize(("split", "fp8"), [(False, False), (True, False), (True, True)])
 def test_the_rope_decode_kernel_compiles_with_its_barrier(split: bool, fp8: bool) -> None:
-    ptx = _ptx(True, split, fp8)
-    assert "bar.sync" in ptx
-    plain = _ptx(False, split, fp8)
-    assert plain.count("bar.sync") < ptx.count("bar.sync")
+    from kvscale.kernels.paged_decode import ROPE_BEFORE_LOOP, ROPE_IN_LOOP
+
+    before = _ptx(ROPE_BEFORE_LOOP, split, fp8)
+    plain = _ptx(0, split, fp8)
+    assert plain.count("bar.sync") < before.count("bar.sync")
+    # in the loop: no barrier of its own (the newest token never goes through the cache)
+    # and the rotary table's loads are asynchronous copies beside the first K tile's
+    in_loop = _ptx(ROPE_IN_LOOP, split, fp8)
+    assert in_loop.count("cp.async.ca") > plain.count("cp.async.ca")

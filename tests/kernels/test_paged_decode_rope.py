@@ -1,14 +1,16 @@
 """Paged decode attention doing a decode step's rotary embedding and KV write itself
 (``rope=RopeWrite(...)``) against the two kernels it replaces, rope_kv_cache's then plain
-paged decode: the same output and the same cache, bit for bit under the interpreter."""
+paged decode: the same cache bit for bit, and the same output (bit for bit under the
+interpreter where the kernel rotates before its loop; within rounding where it rotates in
+it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvscale.kernels.fp8 import FP8_E4M3
 from kvscale.kernels import paged_decode
+from kvscale.kernels.fp8 import FP8_E4M3
 from kvscale.kernels.paged_decode import RopeWrite, paged_decode_attention
 from kvscale.kernels.rope_kv_cache import rope_and_write_kv
 from kvscale.kernels.rotary import compute_cos_sin_cache
