@@ -899,21 +899,26 @@ plan_r67() {
 # r69 (e58): the fused decode kernel's loads issued before its rotary table's, and q
 # rotated in its loop for small grids. Needs `mkdir ab-prev && git archive 57b8b30 | tar x
 # -C ab-prev` (untracked: it travels) for the code before; C alternated between the two trees, an engine a process; the kernel and
-# engine tests natively at HEAD; C's step by kernel at HEAD.
+# engine tests natively at HEAD (the in-loop mode on: KVSCALE_ROPE_IN_LOOP=1); C's step by
+# kernel with it; A's decode step (large grids: the reordered loads only).
 plan_r69() {
   facts
   ckpt_beside tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
     tests/kernels/test_paged_decode_rope.py tests/kernels/test_paged_decode.py
-  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
+  step tests-gpu 300 env KVSCALE_ROPE_IN_LOOP=1 "${PT[@]}" tests/gpu/test_engine_cuda.py \
+    tests/gpu/test_spec_cuda.py
   for round in 1 2 3; do
     install_tree ab-prev prev
     step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
       --ckpt "$CKPT" --phases c
     install_tree . head
-    step "c-head-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/head-$round" \
-      --ckpt "$CKPT" --phases c
+    for mode in 0 1; do
+      step "c-head-$mode-$round" 150 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
+        bench/engine_bench.py --out-dir "$RES/head-$mode-$round" --ckpt "$CKPT" --phases c
+    done
   done
-  bench decode-kernels 120 decode-kernels
+  step decode-kernels 120 env KVSCALE_ROPE_IN_LOOP=1 python3 bench/engine_bench.py \
+    --out-dir "$RES" --ckpt "$CKPT" --phases decode-kernels
   bench decode-kernels-a 300 decode-kernels-a
 }
 

@@ -34,12 +34,14 @@ that program reads them back after a barrier, and the output is the two kernels'
 grids of at most one program an SM (batch-1 decode: latency-bound) rotate q inside the
 loop and add the newest token's term from registers after it (another order of summation:
 within rounding of the two kernels), so no load waits on the rotary table before the
-first K tile (``ROPE_BEFORE_LOOP``, ``ROPE_IN_LOOP``; NOTES e58).
+first K tile (``ROPE_BEFORE_LOOP``, ``ROPE_IN_LOOP``; the latter with
+``KVSCALE_ROPE_IN_LOOP=1`` until measured; NOTES e58).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -64,9 +66,11 @@ LOG2E = 1.4426950408889634
 # iteration (its cos/sin then load beside the first tile's block table and K instead of
 # before them), the newest token's term added after the loop from registers; more
 # registers (148), which only costs where an SM holds more than one program, so it is
-# taken for grids of at most one program an SM (batch-1 decode), NOTES e58.
+# taken for grids of at most one program an SM (batch-1 decode), NOTES e58, where
+# ``KVSCALE_ROPE_IN_LOOP=1`` (off until measured on a GPU).
 ROPE_BEFORE_LOOP = 1
 ROPE_IN_LOOP = 2
+USE_ROPE_IN_LOOP = os.environ.get("KVSCALE_ROPE_IN_LOOP", "0") == "1"
 
 # Split-KV policy (see choose_num_splits).
 MIN_TOKENS_PER_SPLIT = 256
@@ -499,7 +503,8 @@ def paged_decode_attention(
     rope_mode = 0  # see ROPE_BEFORE_LOOP, ROPE_IN_LOOP
     if rope is not None:
         programs = batch * num_kv_heads * num_splits
-        rope_mode = ROPE_IN_LOOP if programs <= num_sms(q.device) else ROPE_BEFORE_LOOP
+        small = USE_ROPE_IN_LOOP and programs <= num_sms(q.device)
+        rope_mode = ROPE_IN_LOOP if small else ROPE_BEFORE_LOOP
     if rope is None:  # placeholders: the kernel reads none of them without ROPE
         rope_ptrs, rope_sizes = (seq_lens, out, out, out, seq_lens), (0,) * 6
     else:

@@ -75,9 +75,11 @@ def test_rope_in_decode_equals_rope_kernel_then_decode(
     num_splits: int | None, in_loop: bool, device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Both ways the kernel does the RoPE + KV write: before its loop (grids larger than
-    the GPU's SMs) and in it (at most one program an SM: here by the SM count it sees)."""
+    """Both ways the kernel does the RoPE + KV write: before its loop (the default; grids
+    larger than the GPU's SMs) and in it (``KVSCALE_ROPE_IN_LOOP=1``, at most one program
+    an SM: here by the SM count it sees)."""
     if in_loop:
+        monkeypatch.setattr(paged_decode, "USE_ROPE_IN_LOOP", True)
         monkeypatch.setattr(paged_decode, "num_sms", lambda device: 10_000)
     c = _case(dtype, kv_heads, group, head_dim, 16, fp8, device)
     r, scale = c["rope"], head_dim**-0.5
