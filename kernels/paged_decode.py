@@ -62,12 +62,12 @@ LOG2E = 1.4426950408889634
 
 # How the kernel does a step's RoPE + KV write (``rope``). Before the loop: q rotated, the
 # newest k and v stored and read back by the loop after a barrier; the kernel's registers
-# as without rope (96 a thread at the 8B shapes in bf16). In the loop: q rotated in each
-# iteration (its cos/sin then load beside the first tile's block table and K instead of
-# before them), the newest token's term added after the loop from registers; more
-# registers (148), which only costs where an SM holds more than one program, so it is
-# taken for grids of at most one program an SM (batch-1 decode), NOTES e58, where
-# ``KVSCALE_ROPE_IN_LOOP=1`` (off until measured on a GPU).
+# as without rope (8B shapes, bf16, sm_90: 122 a thread under triton 3.6, 96 under 3.8).
+# In the loop: q rotated in each iteration (its cos/sin then load beside the first tile's
+# block table and K instead of before them), the newest token's term added after the loop
+# from registers; more registers (198 / 148), which only costs where an SM holds more than
+# one program, so it is taken for grids of at most one program an SM (batch-1 decode),
+# NOTES e58, where ``KVSCALE_ROPE_IN_LOOP=1`` (off until measured on a GPU).
 ROPE_BEFORE_LOOP = 1
 ROPE_IN_LOOP = 2
 USE_ROPE_IN_LOOP = os.environ.get("KVSCALE_ROPE_IN_LOOP", "0") == "1"
