@@ -119,11 +119,15 @@ def test_bad_shapes_are_refused(device: torch.device) -> None:
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="a CPU engine; on a GPU tests/gpu/test_engine_cuda.py runs the engine on CUDA",
 )
-def test_an_engine_on_the_triton_backend_decodes_as_the_torch_backend(llama_ckpt) -> None:
+def test_an_engine_on_the_triton_backend_decodes_as_the_torch_backend(
+    llama_ckpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fused kernel in the engine (with the Triton attention, elementwise and argmax
     kernels under the interpreter), fp32, chunked prefill and preemption: the same greedy
     tokens as the torch backend, whose rotary and KV write are the two references; and
-    with the decode kernel doing decode steps' rotary and KV write."""
+    with the decode kernel doing decode steps' rotary and KV write, before its loop and
+    (``KVSCALE_ROPE_IN_LOOP``, every grid taken as small) in it."""
+    from kvscale.kernels import paged_decode
     from kvscale.server import LLM, SamplingParams
     from tests.hf_reference import random_prompts
 
@@ -136,7 +140,10 @@ def test_an_engine_on_the_triton_backend_decodes_as_the_torch_backend(llama_ckpt
     outs, stats = {}, {}
     # "triton-fused": decode-only steps rotate and write K/V in the decode kernel
     for name, backend, fused in (("torch", "torch", "0"), ("triton", "triton", "0"),
-                                 ("triton-fused", "triton", "1")):
+                                 ("triton-fused", "triton", "1"), ("in-loop", "triton", "1")):
+        if name == "in-loop":
+            monkeypatch.setattr(paged_decode, "USE_ROPE_IN_LOOP", True)
+            monkeypatch.setattr(paged_decode, "num_sms", lambda device: 10_000)
         os.environ["KVSCALE_FUSED_DECODE"] = fused
         try:
             llm = LLM(str(llama_ckpt), **tight, attention_backend=backend)
@@ -144,6 +151,6 @@ def test_an_engine_on_the_triton_backend_decodes_as_the_torch_backend(llama_ckpt
             del os.environ["KVSCALE_FUSED_DECODE"]
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         stats[name] = llm.engine.stats()
-    assert outs["triton"] == outs["torch"] == outs["triton-fused"]
+    assert outs["triton"] == outs["torch"] == outs["triton-fused"] == outs["in-loop"]
     assert stats["triton"].num_preemptions > 0
     assert llm.engine.worker.backend.rope_in_decode
