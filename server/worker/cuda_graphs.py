@@ -3,10 +3,11 @@
 A decode step (one new token per sequence) runs the same kernels every time; only the
 inputs change. For each batch size in ``batch_sizes`` the whole forward plus the LM
 head is captured once, reading from static buffers (token ids, positions, slot mapping,
-sequence lengths, block tables) and from ``last_tokens``, the previous step's samples
-that placeholder ids point at. A step of ``n`` sequences (its inputs already padded to
-the graph's size ``bs`` and on the device) is copied into the first ``bs`` rows, and
-graph ``bs`` is replayed; padding rows write nothing (slot -1) and attend to one token
+sequence lengths, block tables). A step of ``n`` sequences (its inputs already padded to
+the graph's size ``bs`` and on the device) is copied into the first ``bs`` rows in one
+launch (``kernels.decode_inputs``), which also replaces each placeholder id with the
+token of ``last_tokens`` (the previous step's samples) it points at, and graph ``bs`` is
+replayed; padding rows write nothing (slot -1) and attend to one token
 of block 0, and their logits are dropped.
 """
 
@@ -19,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvscale.kernels.decode_inputs import load_decode_inputs
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.forward_context import forward_context
 from kvscale.server.attention.metadata import AttentionMetadata
-from kvscale.server.worker.step import resolve_placeholders
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,9 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
-        ids = resolve_placeholders(self.input_ids[:bs], self.last_tokens)
+        # input_ids hold resolved tokens: run() resolves the placeholders as it copies
         with forward_context(self.backend, self._meta(bs)):
-            hidden = self.model(ids, self.positions[:bs])
+            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
             return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     @torch.inference_mode()
@@ -121,11 +122,11 @@ class DecodeGraphs:
         ``bs``; returns the fp32 logits ``[n, V]`` of the real rows. Table columns past W
         keep stale entries: kernels never read past a row's length."""
         bs = dev["ids"].shape[0]
-        width = dev["tables"].shape[1]
-        self.input_ids[:bs].copy_(dev["ids"])
-        self.positions[:bs].copy_(dev["positions"])
-        self.slot_mapping[:bs].copy_(dev["slots"])
-        self.seq_lens[:bs].copy_(dev["seq_lens"])
-        self.block_tables[:bs, :width].copy_(dev["tables"])
+        load_decode_inputs(
+            dev["ids"], dev["positions"], dev["slots"], dev["seq_lens"], dev["tables"],
+            self.last_tokens,
+            (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+             self.block_tables),
+        )  # fmt: skip
         self.graphs[bs].replay()
         return self.logits[bs][:n]
