@@ -7,8 +7,8 @@ sequence lengths, block tables). A step of ``n`` sequences (its inputs already p
 the graph's size ``bs`` and on the device) is copied into the first ``bs`` rows in one
 launch (``kernels.decode_inputs``), which also replaces each placeholder id with the
 token of ``last_tokens`` (the previous step's samples) it points at, and graph ``bs`` is
-replayed; padding rows write nothing (slot -1) and attend to one token
-of block 0, and their logits are dropped.
+replayed; padding rows write nothing (slot -1) and attend to one token of block 0, and
+their logits are dropped.
 """
 
 from __future__ import annotations
