@@ -923,6 +923,23 @@ plan_r69() {
   bench decode-kernels-a 300 decode-kernels-a
 }
 
+# r70 (2 GPUs; e58, e59 at TP=2): the TP GPU tests with the in-loop RoPE mode on (the decode
+# graphs' input kernel on both ranks), then C at TP=2 and TP=1 with the mode off and on,
+# alternated twice.
+plan_r70() {
+  facts
+  ckpt_beside tests-tp 420 env KVSCALE_ROPE_IN_LOOP=1 "${PT[@]}" \
+    tests/gpu/test_tensor_parallel_cuda.py
+  for round in 1 2; do
+    for mode in 0 1; do
+      step "c-tp2-$mode-$round" 200 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
+        bench/engine_bench.py --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
+      step "c-tp1-$mode-$round" 150 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
+        bench/engine_bench.py --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
+    done
+  done
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
