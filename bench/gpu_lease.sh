@@ -897,17 +897,20 @@ plan_r67() {
 }
 
 # r69 (e58, e59): the fused decode kernel's loads issued before its rotary table's, q
-# rotated in its loop for small grids, and the decode graphs' inputs in one launch. Needs `mkdir ab-prev && git archive 57b8b30 | tar x
-# -C ab-prev` (untracked: it travels) for the code before; C alternated between the two trees, an engine a process; the kernel and
-# engine tests natively at HEAD (the in-loop mode on: KVSCALE_ROPE_IN_LOOP=1); C's step by
-# kernel with it; A's decode step (large grids: the reordered loads only).
+# rotated in its loop for small grids, and the decode graphs' inputs in one launch.
+# Needs `mkdir ab-prev && git archive 57b8b30 | tar x -C ab-prev` (untracked: it
+# travels) for the code before. The kernel and engine tests natively at HEAD (as it
+# ships, then the engine's with the in-loop mode on: KVSCALE_ROPE_IN_LOOP=1); C
+# alternated between the two trees and the mode, an engine a process; C's step by kernel
+# with the mode; A's decode step (large grids: the reordered loads only).
 plan_r69() {
   facts
   ckpt_beside tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
     tests/kernels/test_paged_decode_rope.py tests/kernels/test_paged_decode.py \
     tests/kernels/test_decode_inputs.py
-  step tests-gpu 420 env KVSCALE_ROPE_IN_LOOP=1 "${PT[@]}" tests/gpu/test_engine_cuda.py \
-    tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py tests/gpu/test_int4_cuda.py
+  step tests-gpu 420 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
+    tests/gpu/test_draft_cuda.py tests/gpu/test_int4_cuda.py
+  step tests-gpu-in-loop 240 env KVSCALE_ROPE_IN_LOOP=1 "${PT[@]}" tests/gpu/test_engine_cuda.py
   for round in 1 2 3; do
     install_tree ab-prev prev
     step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
