@@ -878,20 +878,25 @@ plan_r66() {
   step tests-piecewise 240 env KVSCALE_FUSED_DECODE=1 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
 }
 
-# 2 GPUs: the fused decode path (KVSCALE_FUSED_DECODE) under TP=2, and C off/on at TP=2 and
-# TP=1 alternated; the fused kernel's native test after its fp32 cache comparison was fixed
-plan_r67() {
+# tp_switch VAR (2 GPUs): the TP GPU tests with the switch VAR=1, then C at TP=2 and TP=1
+# with VAR=0 and VAR=1, alternated twice (an engine a process)
+tp_switch() {
   facts
-  ckpt_beside tests-tp 420 env KVSCALE_FUSED_DECODE=1 "${PT[@]}" \
-    tests/gpu/test_tensor_parallel_cuda.py
+  ckpt_beside tests-tp 420 env "$1=1" "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py
   for round in 1 2; do
     for mode in 0 1; do
-      step "c-tp2-$mode-$round" 200 env KVSCALE_FUSED_DECODE=$mode python3 bench/engine_bench.py \
+      step "c-tp2-$mode-$round" 200 env "$1=$mode" python3 bench/engine_bench.py \
         --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
-      step "c-tp1-$mode-$round" 150 env KVSCALE_FUSED_DECODE=$mode python3 bench/engine_bench.py \
+      step "c-tp1-$mode-$round" 150 env "$1=$mode" python3 bench/engine_bench.py \
         --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
     done
   done
+}
+
+# 2 GPUs: the fused decode path (KVSCALE_FUSED_DECODE) under TP=2, and C off/on at TP=2 and
+# TP=1 alternated; the fused kernel's native test after its fp32 cache comparison was fixed
+plan_r67() {
+  tp_switch KVSCALE_FUSED_DECODE
   step tests-kernels 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
     tests/kernels/test_paged_decode_rope.py
 }
@@ -927,20 +932,9 @@ plan_r69() {
 }
 
 # r70 (2 GPUs; e58, e59 at TP=2): the TP GPU tests with the in-loop RoPE mode on (the decode
-# graphs' input kernel on both ranks), then C at TP=2 and TP=1 with the mode off and on,
-# alternated twice.
+# graphs' input kernel on both ranks), then C at TP=2 and TP=1 with the mode off and on.
 plan_r70() {
-  facts
-  ckpt_beside tests-tp 420 env KVSCALE_ROPE_IN_LOOP=1 "${PT[@]}" \
-    tests/gpu/test_tensor_parallel_cuda.py
-  for round in 1 2; do
-    for mode in 0 1; do
-      step "c-tp2-$mode-$round" 200 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
-        bench/engine_bench.py --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
-      step "c-tp1-$mode-$round" 150 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
-        bench/engine_bench.py --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
-    done
-  done
+  tp_switch KVSCALE_ROPE_IN_LOOP
 }
 
 case "$1" in
