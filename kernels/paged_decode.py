@@ -500,14 +500,13 @@ def paged_decode_attention(
         )
     else:
         m_buf = l_buf = acc_buf = out  # unused placeholders
-    rope_mode = 0  # see ROPE_BEFORE_LOOP, ROPE_IN_LOOP
-    if rope is not None:
+    if rope is None:  # placeholders: the kernel reads none of them without ROPE
+        rope_mode = 0
+        rope_ptrs, rope_sizes = (seq_lens, out, out, out, seq_lens), (0,) * 6
+    else:  # see ROPE_BEFORE_LOOP, ROPE_IN_LOOP
         programs = batch * num_kv_heads * num_splits
         small = USE_ROPE_IN_LOOP and programs <= num_sms(q.device)
         rope_mode = ROPE_IN_LOOP if small else ROPE_BEFORE_LOOP
-    if rope is None:  # placeholders: the kernel reads none of them without ROPE
-        rope_ptrs, rope_sizes = (seq_lens, out, out, out, seq_lens), (0,) * 6
-    else:
         rope_ptrs = (rope.positions, rope.k, rope.v, rope.cos_sin_cache, rope.slot_mapping)
         rope_sizes = (*rope.k.stride()[:2], *rope.v.stride()[:2],
                       rope.cos_sin_cache.stride(0), rope.cos_sin_cache.shape[0])
