@@ -937,6 +937,26 @@ plan_r70() {
   tp_switch KVSCALE_ROPE_IN_LOOP
 }
 
+# r71 (one H100; r69's C alternation, cut short when its machine was released): C for the
+# code before e58/e59, HEAD, and HEAD with the in-loop RoPE mode, alternated twice; then the
+# decode step by kernel with the in-loop mode.
+plan_r71() {
+  facts
+  ckpt_write
+  for round in 1 2; do
+    install_tree ab-prev prev
+    step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
+      --ckpt "$CKPT" --phases c
+    install_tree . head
+    for mode in 0 1; do
+      step "c-head-$mode-$round" 150 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
+        bench/engine_bench.py --out-dir "$RES/head-$mode-$round" --ckpt "$CKPT" --phases c
+    done
+  done
+  step decode-kernels 120 env KVSCALE_ROPE_IN_LOOP=1 python3 bench/engine_bench.py \
+    --out-dir "$RES" --ckpt "$CKPT" --phases decode-kernels
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
