@@ -47,7 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvscale.kernels.rmsnorm import add_rms_norm_row, fused_add_rms_norm_ref, row_launch_opts
+from kvscale.kernels.rmsnorm import (
+    add_rms_norm_row,
+    fused_add_rms_norm_ref,
+    load_norm_operands,
+    row_launch_opts,
+)
 
 SLOTS = 2
 
@@ -107,6 +112,8 @@ def _one_shot_kernel(
     epoch = use + 1
     base = ((use & 1) * max_rows + row).to(tl.int64) * WORLD  # data[slot, row, 0]
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if NORM:  # local: in flight while the peers' rows arrive
+        r, w = load_norm_operands(res_ptr + row * stride_r, w_ptr, offs, mask)
     mine = tl.multiple_of(tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)), 16)
     sent = (base + RANK) * hidden  # where the peers keep this rank's row
     if ALIGN > 1:  # rows start on 16-byte boundaries: 16-byte loads and stores
@@ -139,7 +146,7 @@ def _one_shot_kernel(
     total = acc.to(dtype).to(tl.float32)
     if NORM:
         add_rms_norm_row(
-            total, res_ptr + row * stride_r, w_ptr, x_ptr + row * stride_x, offs, mask, hidden, eps
+            total, r, w, res_ptr + row * stride_r, x_ptr + row * stride_x, offs, mask, hidden, eps
         )
     else:
         tl.store(x_ptr + row * stride_x + offs, total.to(dtype), mask=mask)

@@ -33,23 +33,32 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = (offs < hidden) & (row < num_rows)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # beside x: see add_rms_norm_row
     var = tl.sum(x * x, 0) / hidden
     normed = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def add_rms_norm_row(x, res_ptr, w_ptr, out_ptr, offs, mask, hidden, eps):
-    """One row: ``s = (x + residual)`` rounded to the residual's dtype, stored at
-    ``res_ptr``; ``weight * rms_norm(s)`` stored at ``out_ptr``. ``x``: the row in fp32."""
+def load_norm_operands(res_ptr, w_ptr, offs, mask):
+    """The residual row and the weight (fp32) that :func:`add_rms_norm_row` takes, loaded
+    by the caller as early as it can: a load issued after the norm's reduction (a barrier)
+    waits a second memory round trip in a kernel of one program a row."""
     r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return r, w
+
+
+@triton.jit
+def add_rms_norm_row(x, r, w, res_ptr, out_ptr, offs, mask, hidden, eps):
+    """One row: ``s = (x + r)`` rounded to the residual's dtype, stored at ``res_ptr``;
+    ``w * rms_norm(s)`` stored at ``out_ptr``. ``x``, ``r`` (the residual row), ``w``
+    (the weight): fp32, from :func:`load_norm_operands`."""
     s = (x + r).to(res_ptr.dtype.element_ty)
     tl.store(res_ptr + offs, s, mask=mask)
     s = s.to(tl.float32)
     var = tl.sum(s * s, 0) / hidden
     normed = (s * tl.rsqrt(var + eps)).to(res_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -70,8 +79,9 @@ def _fused_add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = (offs < hidden) & (row < num_rows)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r, w = load_norm_operands(res_ptr + row * stride_r, w_ptr, offs, mask)
     add_rms_norm_row(
-        x, res_ptr + row * stride_r, w_ptr, x_ptr + row * stride_x, offs, mask, hidden, eps
+        x, r, w, res_ptr + row * stride_r, x_ptr + row * stride_x, offs, mask, hidden, eps
     )
 
 
@@ -88,13 +98,12 @@ def _fused_add_rms_norm_quant_kernel(
     mask = (offs < hidden) & (row < num_rows)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r_ptrs = res_ptr + row * stride_r + offs
-    r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    r, w = load_norm_operands(res_ptr + row * stride_r, w_ptr, offs, mask)
     s = (x + r).to(res_ptr.dtype.element_ty)
     tl.store(r_ptrs, s, mask=mask)
     s = s.to(tl.float32)
     var = tl.sum(tl.sum(s * s, 1), 0) / hidden
     normed = (s * tl.rsqrt(var + eps)).to(res_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(x_ptr.dtype.element_ty).to(tl.float32)
     quantize_store_groups(
         y, q_ptr + row * stride_q + offs, s_ptr + row * stride_s + groups, mask,

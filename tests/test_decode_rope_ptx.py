@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.sm90 import compile_sm90
+
 POINTERS = {
     "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
@@ -16,34 +18,22 @@ POINTERS = {
     "v_scale_ptr": "*fp32", "pos_ptr": "*i64", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
     "cos_sin_ptr": "*fp32", "slot_ptr": "*i64",
 }  # fmt: skip
+UNALIGNED = ("num_seqs", "stride_bt", "scale_log2e")  # not specialized, or a float
 
 
 def _ptx(rope: int, split: bool, fp8: bool) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kvscale.kernels.paged_decode import _paged_decode_kernel
 
     consts = {"QG": 4, "QG_PAD": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
               "NUM_SPLITS": 8 if split else 1, "SPLIT": split, "DOT_PREC": "ieee",
               "KV_FP8": fp8, "KV_F16": fp8, "ROPE": rope}  # fmt: skip
-    sig = {}
-    for name in _paged_decode_kernel.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in POINTERS:
-            sig[name] = POINTERS[name]
-            if fp8 and name in ("k_cache_ptr", "v_cache_ptr"):
-                sig[name] = "*fp8e4nv"
-        else:
-            sig[name] = "fp32" if name == "scale_log2e" else "i32"
-    # the launch's hints: pointers and sizes divisible by 16 (the loads vectorize)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_paged_decode_kernel.arg_names)
-             if sig[n] != "constexpr" and n not in ("num_seqs", "stride_bt", "scale_log2e")}
-    src = ASTSource(fn=_paged_decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    types = {n: "fp32" if n == "scale_log2e" else "i32" for n in _paged_decode_kernel.arg_names}
+    types |= POINTERS
+    if fp8:
+        types |= {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    divisible = {n for n in types if n not in consts and n not in UNALIGNED}
+    kernel = compile_sm90(_paged_decode_kernel, types, consts, divisible, 4, num_stages=3)
+    return kernel.asm["ptx"]
 
 
 @pytest.mark.parametrize(("split", "fp8"), [(False, False), (True, False), (True, True)])

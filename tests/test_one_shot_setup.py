@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tests.ports import free_port
+from tests.sm90 import compile_sm90
 from tests.spawned_ranks import run_ranks
 
 HIDDEN = 64
@@ -81,21 +82,15 @@ def test_the_kernel_moves_rows_in_16_byte_vectors() -> None:
     """Compiled for sm_90 here (no GPU needed): the row stores into the peers' buffers
     and the loads of the peers' rows from the own buffer are 16-byte vector accesses,
     not 2-byte ones (lease r18's kernel)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kvscale.kernels.one_shot_all_reduce import _one_shot_kernel
 
     names = ["x_ptr", "res_ptr", "w_ptr", "data_ptrs", "signal_ptrs", "uses_ptr"]
-    sig = dict(zip(names, ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*i32"], strict=True))
-    sig |= {n: "i32" for n in ("hidden", "max_rows", "stride_x", "stride_r")} | {"eps": "fp32"}
+    types = dict(zip(names, ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*i32"], strict=True))
+    types |= {n: "i32" for n in ("hidden", "max_rows", "stride_x", "stride_r")} | {"eps": "fp32"}
     consts = {"RANK": 0, "WORLD": 2, "NORM": True, "ALIGN": 8, "BLOCK": 4096}
-    sig |= {n: "constexpr" for n in consts}
     # what a launch specializes: pointers and sizes divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)}
-    src = ASTSource(fn=_one_shot_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    divisible = set(types) - {"eps"}
+    ptx = compile_sm90(_one_shot_kernel, types, consts, divisible, 8).asm["ptx"]
     row_loads = [line for line in ptx.splitlines() if "ld.volatile.global" in line]
     stores = [line for line in ptx.splitlines() if "st.global" in line]
     assert row_loads and all(".v4.b32" in line for line in row_loads), row_loads[:3]
