@@ -45,3 +45,24 @@ def dot_precision(dtype: torch.dtype) -> str:
     fp32 operands would otherwise be truncated to tf32.
     """
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+MAX_ARRIVAL_COUNTERS = 4096  # program groups that one launch can count arrivals for
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's ``[MAX_ARRIVAL_COUNTERS]`` int32 arrival counters, zero between
+    launches: a kernel whose programs combine their partial results counts each group's
+    arrivals in one, and the group's last program does the combining and resets it to 0.
+    Shared by every such kernel on the device (w4a16's split-K products, the split-KV
+    decode), which is safe while they run one at a time on a stream; made outside any
+    CUDA-graph capture (the first call of a shape runs eagerly before capture)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("arrival counters: first used inside a CUDA-graph capture")
+        counters = _COUNTERS[device] = torch.zeros(
+            MAX_ARRIVAL_COUNTERS, dtype=torch.int32, device=device
+        )
+    return counters

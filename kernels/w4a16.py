@@ -42,7 +42,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvscale.kernels._utils import dot_precision, is_interpreter, num_sms
+from kvscale.kernels._utils import (
+    MAX_ARRIVAL_COUNTERS,
+    arrival_counters,
+    dot_precision,
+    is_interpreter,
+    num_sms,
+)
 
 PACK = 8  # 4-bit codes per int32
 SYMMETRIC_ZERO = 8
@@ -51,7 +57,6 @@ TARGET_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
 GEMV_PROGRAMS_PER_SM = 3  # the GEMV takes 256 rows of K a program if that leaves this many
 GEMV_BLOCK_KS = (128, 64)  # the GEMV's K tile: the first that the groups allow
 MAX_SPLIT_K = 16
-MAX_FIXUP_TILES = 4096  # output tiles that one split product can count arrivals for
 
 # how a K tile finds its groups (the GROUP_MODE constexpr)
 TILE = 0  # the whole tile lies in one group
@@ -550,22 +555,6 @@ def _w4a16_gemv_kernel(
     )
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """The device's ``[MAX_FIXUP_TILES]`` int32 arrival counters, zero between launches
-    (each split product's last program resets its tiles'). Shared by every product on
-    the device, which is safe while they run one at a time on a stream; made outside any
-    CUDA-graph capture (the first call of a shape runs eagerly before capture)."""
-    locks = _LOCKS.get(device)
-    if locks is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("w4a16: first call on a device inside a CUDA-graph capture")
-        locks = _LOCKS[device] = torch.zeros(MAX_FIXUP_TILES, dtype=torch.int32, device=device)
-    return locks
-
-
 _SYMMETRIC_ZEROS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -633,9 +622,9 @@ def w4a16_gemm(
         splits,
     )
     want_fixup = bool(cfg.pop("FIXUP", 1))
-    fixup = split and want_fixup and grid[0] <= MAX_FIXUP_TILES
+    fixup = split and want_fixup and grid[0] <= MAX_ARRIVAL_COUNTERS
     dummy = qweight  # stands in for absent optional tensors (never read)
-    locks = _tile_counters(x.device) if fixup else dummy
+    locks = arrival_counters(x.device) if fixup else dummy
     if gemv:
         del cfg["BLOCK_M"]
         if zeros is None:  # symmetric: 8s from a shared row (see _symmetric_zero_row)

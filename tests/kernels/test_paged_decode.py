@@ -124,3 +124,39 @@ def test_decode_long_context_gpu(
 ) -> None:
     _run([4096, 1, 3000, 777], 8, 4, 128, 16, dtype, device, num_splits)
     _run([2500, 17], 4, 8, 256, 32, dtype, device, num_splits)
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize(
+    ("seq_lens", "kv_heads", "group", "head_dim", "splits"),
+    [
+        (SEQ_LENS, 2, 4, 64, 3),
+        ([0, 20, 700], 1, 3, 32, 7),  # an empty sequence, a group of 3, splits past the tokens
+        ([300], 8, 4, 128, 16),  # Llama-3.1-8B's batch-1 shape
+    ],
+)
+def test_the_last_program_merges_as_the_reduce_kernel(
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    splits: int,
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``KVSCALE_DECODE_MERGE=1``: each (sequence, kv head) group's last program to finish
+    merges the split partials: the second kernel's bits, every launch (a CUDA graph
+    replays the same launch), with the arrival counters back at zero after each."""
+    from kvscale.kernels._utils import arrival_counters
+
+    kv = random_paged_kv(seq_lens, kv_heads, head_dim, 16, dtype, device)
+    for _ in range(2):  # a new q each time: no partial of an earlier launch can pass
+        q = torch.randn(len(seq_lens), kv_heads * group, head_dim, dtype=dtype, device=device)
+        args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, head_dim**-0.5)
+        monkeypatch.setattr(paged_decode, "USE_MERGE_IN_KERNEL", True)
+        got = torch.full_like(q, float("nan"))
+        paged_decode_attention(*args, out=got, num_splits=splits)
+        assert int(arrival_counters(device).abs().sum()) == 0
+        monkeypatch.setattr(paged_decode, "USE_MERGE_IN_KERNEL", False)
+        assert torch.equal(got, paged_decode_attention(*args, num_splits=splits))

@@ -225,7 +225,7 @@ def test_split_k_in_one_kernel_equals_the_sum_kernel(
         for _ in range(3):
             x = torch.randn(m, 256, dtype=torch.float16, device=device)
             one = w4a16_gemm(x, **w, config=cfg)  # type: ignore[arg-type]
-            assert int(w4a16._tile_counters(x.device).abs().sum()) == 0
+            assert int(w4a16.arrival_counters(x.device).abs().sum()) == 0
             two = w4a16_gemm(x, **w, config={**cfg, "FIXUP": 0})  # type: ignore[arg-type]
             torch.testing.assert_close(one, two, rtol=0, atol=0)
 
@@ -309,4 +309,4 @@ def test_w4a16_replays_in_a_cuda_graph(m: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, w4a16_gemm(x, **w), rtol=0, atol=0)  # type: ignore[arg-type]
-    assert int(w4a16._tile_counters(dev).abs().sum()) == 0
+    assert int(w4a16.arrival_counters(dev).abs().sum()) == 0
