@@ -957,6 +957,58 @@ plan_r71() {
     --out-dir "$RES" --ckpt "$CKPT" --phases decode-kernels
 }
 
+# r72 (one H100; e60, e61): needs `mkdir ab-prev && git archive 28029e3 | tar x -C ab-prev`
+# (the code before e60; untracked, it travels). The kernel tests natively (the merge's
+# bit-equality with real concurrency, the norms), the GPU tests with the in-kernel merge
+# on (KVSCALE_DECODE_MERGE=1), then C alternated twice: before, HEAD (the norms' loads
+# first), HEAD with the merge, HEAD with the merge and the in-loop RoPE mode; C's step by
+# kernel at HEAD and with both switches on.
+plan_r72() {
+  facts
+  ckpt_beside tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
+    tests/kernels/test_paged_decode.py tests/kernels/test_elementwise.py
+  step tests-gpu 420 env KVSCALE_DECODE_MERGE=1 "${PT[@]}" tests/gpu/test_engine_cuda.py \
+    tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py tests/gpu/test_int4_cuda.py
+  for round in 1 2; do
+    install_tree ab-prev prev
+    step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
+      --ckpt "$CKPT" --phases c
+    install_tree . head
+    for mode in 00 10 11; do  # merge, in-loop
+      step "c-head-$mode-$round" 150 env KVSCALE_DECODE_MERGE="${mode:0:1}" \
+        KVSCALE_ROPE_IN_LOOP="${mode:1:1}" python3 bench/engine_bench.py \
+        --out-dir "$RES/head-$mode-$round" --ckpt "$CKPT" --phases c
+    done
+  done
+  for mode in 00 11; do
+    step "decode-kernels-$mode" 120 env KVSCALE_DECODE_MERGE="${mode:0:1}" \
+      KVSCALE_ROPE_IN_LOOP="${mode:1:1}" python3 bench/engine_bench.py \
+      --out-dir "$RES/kernels-$mode" --ckpt "$CKPT" --phases decode-kernels
+  done
+}
+
+# r73 (2 GPUs; e60, e61 at TP=2): ab-prev as for r72. The TP GPU tests with the merge on,
+# then C at TP=2 and TP=1 alternated twice: before e60, HEAD, HEAD with the merge.
+plan_r73() {
+  facts
+  ckpt_beside tests-tp 420 env KVSCALE_DECODE_MERGE=1 "${PT[@]}" \
+    tests/gpu/test_tensor_parallel_cuda.py
+  for round in 1 2; do
+    install_tree ab-prev prev
+    step "c-tp2-prev-$round" 200 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp2-prev-$round" --ckpt "$CKPT" --phases c-tp2
+    step "c-tp1-prev-$round" 150 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp1-prev-$round" --ckpt "$CKPT" --phases c
+    install_tree . head
+    for mode in 0 1; do
+      step "c-tp2-$mode-$round" 200 env KVSCALE_DECODE_MERGE=$mode python3 \
+        bench/engine_bench.py --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
+      step "c-tp1-$mode-$round" 150 env KVSCALE_DECODE_MERGE=$mode python3 \
+        bench/engine_bench.py --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
+    done
+  done
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
