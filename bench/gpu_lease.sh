@@ -987,12 +987,19 @@ plan_r72() {
   done
 }
 
-# r73 (2 GPUs; e60, e61 at TP=2): ab-prev as for r72. The TP GPU tests with the merge on,
-# then C at TP=2 and TP=1 alternated twice: before e60, HEAD, HEAD with the merge.
+# r73 (2 GPUs; e60, e61, e62 at TP=2): ab-prev as for r72. The TP GPU tests and the
+# one-shot test with the merge (KVSCALE_DECODE_MERGE=1) and the flagged-word all-reduce
+# (KVSCALE_ALLREDUCE_LL=1) on; the all-reduce bench with flags and with flagged words;
+# then C alternated twice: before e60 (TP=2, TP=1), HEAD (TP=2, TP=1), HEAD with the merge
+# (TP=2, TP=1), HEAD with the merge and the flagged words (TP=2).
 plan_r73() {
   facts
-  ckpt_beside tests-tp 420 env KVSCALE_DECODE_MERGE=1 "${PT[@]}" \
-    tests/gpu/test_tensor_parallel_cuda.py
+  ckpt_beside tests-tp 420 env KVSCALE_DECODE_MERGE=1 KVSCALE_ALLREDUCE_LL=1 "${PT[@]}" \
+    tests/gpu/test_tensor_parallel_cuda.py tests/gpu/test_one_shot_cuda.py
+  for ll in 0 1; do
+    step "all-reduce-ll$ll" 240 env KVSCALE_ALLREDUCE_LL=$ll python3 bench/all_reduce.py \
+      --out-dir "$RES/all-reduce-ll$ll"
+  done
   for round in 1 2; do
     install_tree ab-prev prev
     step "c-tp2-prev-$round" 200 python3 bench/engine_bench.py \
@@ -1000,10 +1007,12 @@ plan_r73() {
     step "c-tp1-prev-$round" 150 python3 bench/engine_bench.py \
       --out-dir "$RES/tp1-prev-$round" --ckpt "$CKPT" --phases c
     install_tree . head
-    for mode in 0 1; do
-      step "c-tp2-$mode-$round" 200 env KVSCALE_DECODE_MERGE=$mode python3 \
-        bench/engine_bench.py --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
-      step "c-tp1-$mode-$round" 150 env KVSCALE_DECODE_MERGE=$mode python3 \
+    for mode in 00 10 11; do  # merge, flagged words
+      step "c-tp2-$mode-$round" 200 env KVSCALE_DECODE_MERGE="${mode:0:1}" \
+        KVSCALE_ALLREDUCE_LL="${mode:1:1}" python3 bench/engine_bench.py \
+        --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
+      [ "$mode" = 11 ] && continue  # the flagged words change nothing at TP=1
+      step "c-tp1-$mode-$round" 150 env KVSCALE_DECODE_MERGE="${mode:0:1}" python3 \
         bench/engine_bench.py --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
     done
   done

@@ -5,7 +5,7 @@ program and latency-bound. Compiled for sm_90 here; read in the SASS."""
 
 from __future__ import annotations
 
-from tests.sm90 import compile_sm90, opcode, sass
+from tests.sm90 import compile_one_shot_sm90, compile_sm90, opcode, sass
 
 
 def _first(ops: list[str], prefix: str) -> int:
@@ -29,17 +29,7 @@ def test_the_fused_norm_issues_its_weight_load_before_the_reduction() -> None:
 
 
 def test_the_all_reduce_loads_residual_and_weight_before_its_flags() -> None:
-    from kvscale.kernels.one_shot_all_reduce import _one_shot_kernel
-    from kvscale.kernels.rmsnorm import row_launch_opts
-
-    opts = row_launch_opts(4096)
-    types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "data_ptrs": "*i64",
-             "signal_ptrs": "*i64", "uses_ptr": "*i32", "hidden": "i32", "max_rows": "i32",
-             "eps": "fp32", "stride_x": "i32", "stride_r": "i32"}  # fmt: skip
-    consts = {"RANK": 0, "WORLD": 2, "NORM": True, "ALIGN": 8, "BLOCK": opts["BLOCK"]}
-    divisible = set(types) - {"eps"}
-    ops = [opcode(i) for i in sass(compile_sm90(_one_shot_kernel, types, consts, divisible,
-                                                opts["num_warps"]))]  # fmt: skip
+    ops = [opcode(i) for i in sass(compile_one_shot_sm90())]
     # the local rows (x, the residual, the weight): plain 16-byte loads; the peers' rows
     # are strong (volatile) loads after the flags
     local = [i for i, op in enumerate(ops) if op == "LDG.E.128"]

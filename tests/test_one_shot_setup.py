@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tests.ports import free_port
-from tests.sm90 import compile_sm90
+from tests.sm90 import compile_one_shot_sm90
 from tests.spawned_ranks import run_ranks
 
 HIDDEN = 64
@@ -82,19 +82,21 @@ def test_the_kernel_moves_rows_in_16_byte_vectors() -> None:
     """Compiled for sm_90 here (no GPU needed): the row stores into the peers' buffers
     and the loads of the peers' rows from the own buffer are 16-byte vector accesses,
     not 2-byte ones (lease r18's kernel)."""
-    from kvscale.kernels.one_shot_all_reduce import _one_shot_kernel
-
-    names = ["x_ptr", "res_ptr", "w_ptr", "data_ptrs", "signal_ptrs", "uses_ptr"]
-    types = dict(zip(names, ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*i32"], strict=True))
-    types |= {n: "i32" for n in ("hidden", "max_rows", "stride_x", "stride_r")} | {"eps": "fp32"}
-    consts = {"RANK": 0, "WORLD": 2, "NORM": True, "ALIGN": 8, "BLOCK": 4096}
-    # what a launch specializes: pointers and sizes divisible by 16
-    divisible = set(types) - {"eps"}
-    ptx = compile_sm90(_one_shot_kernel, types, consts, divisible, 8).asm["ptx"]
+    ptx = compile_one_shot_sm90().asm["ptx"]
     row_loads = [line for line in ptx.splitlines() if "ld.volatile.global" in line]
     stores = [line for line in ptx.splitlines() if "st.global" in line]
     assert row_loads and all(".v4.b32" in line for line in row_loads), row_loads[:3]
     assert stores and not [line for line in stores if ".b16" in line], stores[:3]
+
+
+def test_flagged_words_move_without_flags_or_a_system_fence() -> None:
+    """Compiled for sm_90: sums moved as flagged words store and poll 8-byte words (each
+    holds its epoch, so a word is read whole or not at all) and make no flag atomics and
+    no system-scope fence; with flags, the release is a fence and an atomic."""
+    ll = compile_one_shot_sm90(ll=True).asm["ptx"]
+    flags = compile_one_shot_sm90(ll=False).asm["ptx"]
+    assert "atom." in flags and "atom." not in ll
+    assert "st.global.b64" in ll and "ld.volatile.global.b64" in ll
 
 
 def test_the_buffer_budget_limits_rows_for_wide_models_and_many_ranks() -> None:

@@ -26,6 +26,7 @@ import torch
 from kvscale.kernels.one_shot_all_reduce import (
     all_reduce_add_rms_norm_ref,
     buffer_bytes,
+    ll_offset,
     one_shot_all_reduce,
     signal_offset,
 )
@@ -52,7 +53,13 @@ def _inputs(world: int, dtype: torch.dtype) -> list[dict[str, Any]]:
 
 
 def _rank(
-    rank: int, world: int, dtype: torch.dtype, start: int, buffers: list[torch.Tensor], q: Any
+    rank: int,
+    world: int,
+    dtype: torch.dtype,
+    start: int,
+    ll: bool,
+    buffers: list[torch.Tensor],
+    q: Any,
 ) -> None:
     """One rank: every launch of ``LAUNCHES`` in order (every row's launch count starting
     at ``start``), then its flags and counters."""
@@ -68,34 +75,41 @@ def _rank(
             residual = residual.clone() if residual is not None else None
             one_shot_all_reduce(
                 x, data_ptrs, data_ptrs + offset, uses, rank, MAX_ROWS, residual,
-                launch["weight"], EPS,
+                launch["weight"], EPS, ll=ll,
             )  # fmt: skip
             results.append((x.numpy(), residual.numpy() if residual is not None else None))
-        signals = buffers[rank][offset:].view(torch.int32).numpy().copy()
-        q.put((rank, (results, signals, uses.numpy())))
+        at = ll_offset(MAX_ROWS, HIDDEN, dtype, world)
+        signals = buffers[rank][offset:at].view(torch.int32).numpy().copy()
+        words = buffers[rank][at:].view(torch.int64).numpy().copy()
+        q.put((rank, (results, signals, words, uses.numpy())))
     except BaseException as e:  # the parent reports it
         q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+PROTOCOLS = pytest.mark.parametrize("ll", [False, True], ids=["flags", "flagged-words"])
 
 
 @pytest.mark.skipif(on_native_gpu(), reason="CPU ranks (interpreter); GPUs: tests/gpu")
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_ranks_get_the_same_exact_sum_and_norm(world: int, dtype: torch.dtype) -> None:
-    _check_ranks(world, dtype, start=0)
+@PROTOCOLS
+def test_ranks_get_the_same_exact_sum_and_norm(world: int, dtype: torch.dtype, ll: bool) -> None:
+    _check_ranks(world, dtype, start=0, ll=ll)
 
 
 @pytest.mark.skipif(on_native_gpu(), reason="CPU ranks (interpreter); GPUs: tests/gpu")
-def test_launch_counts_may_wrap() -> None:
+@PROTOCOLS
+def test_launch_counts_may_wrap(ll: bool) -> None:
     """Counters 3 launches short of int32's end: rows 0-2 cross it (slot and epoch wrap
     on every rank alike) and still sum exactly."""
-    _check_ranks(2, torch.float32, start=2**31 - 3)
+    _check_ranks(2, torch.float32, start=2**31 - 3, ll=ll)
 
 
-def _check_ranks(world: int, dtype: torch.dtype, start: int) -> None:
+def _check_ranks(world: int, dtype: torch.dtype, start: int, ll: bool) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"  # travels to the ranks in the environment
     nbytes = buffer_bytes(MAX_ROWS, HIDDEN, dtype, world)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world)]
-    got = run_ranks(_rank, world, (world, dtype, start, buffers), timeout_s=300)
+    got = run_ranks(_rank, world, (world, dtype, start, ll, buffers), timeout_s=300)
     for rank, result in got.items():
         assert not isinstance(result, str), f"rank {rank}: {result}"
     for i, launch in enumerate(_inputs(world, dtype)):
@@ -117,13 +131,21 @@ def _check_ranks(world: int, dtype: torch.dtype, start: int) -> None:
         counts[:rows] += 1
     wrapped = (counts + start + 2**31) % 2**32 - 2**31  # int32 arithmetic
     expect_uses = wrapped.to(torch.int32)
+    # what every peer last sent for row r: its last epoch (the row's launch count)
+    last = expect_uses[:, None].expand(MAX_ROWS, world).clone()
     for rank in range(world):
-        _, signals, uses = got[rank]
-        # every peer's flag for row r holds row r's last epoch: its launch count
-        want_signals = expect_uses[:, None].expand(MAX_ROWS, world).clone()
+        _, signals, words, uses = got[rank]
+        want_signals = torch.zeros_like(last) if ll else last.clone()  # no flags as words
         want_signals[:, rank] = 0  # a rank sends itself nothing
         assert torch.equal(torch.from_numpy(signals[: MAX_ROWS * world]).view(MAX_ROWS, world),
                            want_signals), f"rank {rank}"  # fmt: skip
+        # the flagged words of each row's last launch carry its epoch (none without ll)
+        words = torch.from_numpy(words).view(2, MAX_ROWS, world, -1)  # [slot, row, from, word]
+        for r in range(MAX_ROWS):
+            epochs = (words[(int(last[r, 0]) - 1) & 1, r] >> 32).to(torch.int32)
+            want = last[r].clone() if ll else torch.zeros(world, dtype=torch.int32)
+            want[rank] = 0
+            assert torch.equal(epochs, want[:, None].expand_as(epochs)), f"rank {rank}, row {r}"
         assert torch.equal(torch.from_numpy(uses), expect_uses)
 
 
