@@ -901,6 +901,22 @@ plan_r67() {
     tests/kernels/test_paged_decode_rope.py
 }
 
+# c_in_loop_rounds N: C of the tree in ab-prev, of HEAD, and of HEAD with the in-loop RoPE
+# mode (KVSCALE_ROPE_IN_LOOP=1), an engine a process, N times in alternation
+c_in_loop_rounds() {
+  local round mode
+  for round in $(seq "$1"); do
+    install_tree ab-prev prev
+    step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
+      --ckpt "$CKPT" --phases c
+    install_tree . head
+    for mode in 0 1; do
+      step "c-head-$mode-$round" 150 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
+        bench/engine_bench.py --out-dir "$RES/head-$mode-$round" --ckpt "$CKPT" --phases c
+    done
+  done
+}
+
 # r69 (e58, e59): the fused decode kernel's loads issued before its rotary table's, q
 # rotated in its loop for small grids, and the decode graphs' inputs in one launch.
 # Needs `mkdir ab-prev && git archive 57b8b30 | tar x -C ab-prev` (untracked: it
@@ -916,16 +932,7 @@ plan_r69() {
   step tests-gpu 420 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
     tests/gpu/test_draft_cuda.py tests/gpu/test_int4_cuda.py
   step tests-gpu-in-loop 240 env KVSCALE_ROPE_IN_LOOP=1 "${PT[@]}" tests/gpu/test_engine_cuda.py
-  for round in 1 2 3; do
-    install_tree ab-prev prev
-    step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
-      --ckpt "$CKPT" --phases c
-    install_tree . head
-    for mode in 0 1; do
-      step "c-head-$mode-$round" 150 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
-        bench/engine_bench.py --out-dir "$RES/head-$mode-$round" --ckpt "$CKPT" --phases c
-    done
-  done
+  c_in_loop_rounds 3
   step decode-kernels 120 env KVSCALE_ROPE_IN_LOOP=1 python3 bench/engine_bench.py \
     --out-dir "$RES" --ckpt "$CKPT" --phases decode-kernels
   bench decode-kernels-a 300 decode-kernels-a
@@ -943,16 +950,7 @@ plan_r70() {
 plan_r71() {
   facts
   ckpt_write
-  for round in 1 2; do
-    install_tree ab-prev prev
-    step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
-      --ckpt "$CKPT" --phases c
-    install_tree . head
-    for mode in 0 1; do
-      step "c-head-$mode-$round" 150 env KVSCALE_ROPE_IN_LOOP=$mode python3 \
-        bench/engine_bench.py --out-dir "$RES/head-$mode-$round" --ckpt "$CKPT" --phases c
-    done
-  done
+  c_in_loop_rounds 2
   step decode-kernels 120 env KVSCALE_ROPE_IN_LOOP=1 python3 bench/engine_bench.py \
     --out-dir "$RES" --ckpt "$CKPT" --phases decode-kernels
 }
