@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+import kvscale.kernels.one_shot_all_reduce as osar
 from kvscale.kernels.one_shot_all_reduce import (
     all_reduce_add_rms_norm_ref,
     buffer_bytes,
@@ -57,13 +58,15 @@ def _rank(
     world: int,
     dtype: torch.dtype,
     start: int,
-    ll: bool,
+    ll_max: int,
     buffers: list[torch.Tensor],
     q: Any,
 ) -> None:
     """One rank: every launch of ``LAUNCHES`` in order (every row's launch count starting
-    at ``start``), then its flags and counters."""
+    at ``start``; sums of up to ``ll_max`` rows as flagged words), then its flags, words
+    and counters."""
     try:
+        osar.LL_MAX_ROWS = ll_max or osar.LL_MAX_ROWS  # this rank process's own module
         device = torch.device("cpu")
         offset = signal_offset(MAX_ROWS, HIDDEN, dtype, world)
         data_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
@@ -75,7 +78,7 @@ def _rank(
             residual = residual.clone() if residual is not None else None
             one_shot_all_reduce(
                 x, data_ptrs, data_ptrs + offset, uses, rank, MAX_ROWS, residual,
-                launch["weight"], EPS, ll=ll,
+                launch["weight"], EPS, ll=ll_max > 0,
             )  # fmt: skip
             results.append((x.numpy(), residual.numpy() if residual is not None else None))
         at = ll_offset(MAX_ROWS, HIDDEN, dtype, world)
@@ -86,30 +89,35 @@ def _rank(
         q.put((rank, f"{type(e).__name__}: {e}"))
 
 
-PROTOCOLS = pytest.mark.parametrize("ll", [False, True], ids=["flags", "flagged-words"])
+# the most rows a sum may have to move as flagged words: none, every launch's, some
+PROTOCOLS = pytest.mark.parametrize("ll_max", [0, MAX_ROWS, 3], ids=["flags", "words", "mixed"])
 
 
 @pytest.mark.skipif(on_native_gpu(), reason="CPU ranks (interpreter); GPUs: tests/gpu")
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @PROTOCOLS
-def test_ranks_get_the_same_exact_sum_and_norm(world: int, dtype: torch.dtype, ll: bool) -> None:
-    _check_ranks(world, dtype, start=0, ll=ll)
+def test_ranks_get_the_same_exact_sum_and_norm(world: int, dtype: torch.dtype, ll_max: int) -> None:
+    _check_ranks(world, dtype, start=0, ll_max=ll_max)
 
 
 @pytest.mark.skipif(on_native_gpu(), reason="CPU ranks (interpreter); GPUs: tests/gpu")
 @PROTOCOLS
-def test_launch_counts_may_wrap(ll: bool) -> None:
+def test_launch_counts_may_wrap(ll_max: int) -> None:
     """Counters 3 launches short of int32's end: rows 0-2 cross it (slot and epoch wrap
     on every rank alike) and still sum exactly."""
-    _check_ranks(2, torch.float32, start=2**31 - 3, ll=ll)
+    _check_ranks(2, torch.float32, start=2**31 - 3, ll_max=ll_max)
 
 
-def _check_ranks(world: int, dtype: torch.dtype, start: int, ll: bool) -> None:
+def _int32(n: int) -> int:
+    return (n + 2**31) % 2**32 - 2**31
+
+
+def _check_ranks(world: int, dtype: torch.dtype, start: int, ll_max: int) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"  # travels to the ranks in the environment
     nbytes = buffer_bytes(MAX_ROWS, HIDDEN, dtype, world)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world)]
-    got = run_ranks(_rank, world, (world, dtype, start, ll, buffers), timeout_s=300)
+    got = run_ranks(_rank, world, (world, dtype, start, ll_max, buffers), timeout_s=300)
     for rank, result in got.items():
         assert not isinstance(result, str), f"rank {rank}: {result}"
     for i, launch in enumerate(_inputs(world, dtype)):
@@ -126,27 +134,34 @@ def _check_ranks(world: int, dtype: torch.dtype, start: int, ll: bool) -> None:
             assert torch.equal(torch.from_numpy(x), want), f"launch {i}, rank {rank}"
             if want_res is not None:
                 assert torch.equal(torch.from_numpy(res), want_res), f"launch {i}, rank {rank}"
-    counts = torch.zeros(MAX_ROWS, dtype=torch.int64)
+    # each row's launch count (its last epoch), and the last epoch it sent each way
+    ll_rows = min(MAX_ROWS, ll_max)
+    count, by_flag, by_words = [start] * MAX_ROWS, [0] * MAX_ROWS, [None] * MAX_ROWS
     for rows, _ in LAUNCHES:
-        counts[:rows] += 1
-    wrapped = (counts + start + 2**31) % 2**32 - 2**31  # int32 arithmetic
-    expect_uses = wrapped.to(torch.int32)
-    # what every peer last sent for row r: its last epoch (the row's launch count)
-    last = expect_uses[:, None].expand(MAX_ROWS, world).clone()
+        for r in range(rows):
+            count[r] = _int32(count[r] + 1)
+            if rows <= ll_rows:
+                by_words[r] = count[r]
+            else:
+                by_flag[r] = count[r]
     for rank in range(world):
         _, signals, words, uses = got[rank]
-        want_signals = torch.zeros_like(last) if ll else last.clone()  # no flags as words
+        want_signals = torch.tensor(by_flag, dtype=torch.int32)[:, None].repeat(1, world)
         want_signals[:, rank] = 0  # a rank sends itself nothing
         assert torch.equal(torch.from_numpy(signals[: MAX_ROWS * world]).view(MAX_ROWS, world),
                            want_signals), f"rank {rank}"  # fmt: skip
-        # the flagged words of each row's last launch carry its epoch (none without ll)
-        words = torch.from_numpy(words).view(2, MAX_ROWS, world, -1)  # [slot, row, from, word]
-        for r in range(MAX_ROWS):
-            epochs = (words[(int(last[r, 0]) - 1) & 1, r] >> 32).to(torch.int32)
-            want = last[r].clone() if ll else torch.zeros(world, dtype=torch.int32)
+        # the flagged words of each row's last such launch carry its epoch
+        layout = min(MAX_ROWS, ll_max or osar.LL_MAX_ROWS)  # the region's rows
+        n = 2 * layout * world * (HIDDEN * dtype.itemsize // 4)
+        words = torch.from_numpy(words[:n]).view(2, layout, world, -1)  # [slot, row, from, -]
+        assert not words[:, :, rank].any()
+        assert ll_max or not words.any()
+        for r in range(ll_rows):
+            epochs = (words[(by_words[r] - 1) & 1, r] >> 32).to(torch.int32)
+            want = torch.full((world,), by_words[r], dtype=torch.int32)
             want[rank] = 0
             assert torch.equal(epochs, want[:, None].expand_as(epochs)), f"rank {rank}, row {r}"
-        assert torch.equal(torch.from_numpy(uses), expect_uses)
+        assert torch.equal(torch.from_numpy(uses), torch.tensor(count, dtype=torch.int32))
 
 
 def test_sums_must_fit_the_buffer() -> None:
