@@ -33,7 +33,7 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = (offs < hidden) & (row < num_rows)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # beside x: see add_rms_norm_row
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # see load_norm_operands
     var = tl.sum(x * x, 0) / hidden
     normed = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
