@@ -114,6 +114,18 @@ def decode_config(head_dim: int, block_size: int) -> dict[str, int]:
 
 
 @triton.jit
+def online_softmax(m_i, l_i, scores):
+    """One block of the online softmax, exp2 domain: the running max ``m_i`` and sum
+    ``l_i`` ``[R]`` fp32 and the block's ``scores [R, N]`` fp32 -> (the new max, ``alpha``
+    ``[R]`` the factor that rescales what was accumulated before, ``p [R, N]``, the new
+    sum)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _rotate(x, xp, cos, sin, first):
     """rope_kv_cache's rotation in fp32: x1*cos - x2*sin, x2*cos + x1*sin (``xp``: x's
     partner half, ``first``: which half each element is in)."""
@@ -299,15 +311,11 @@ def _paged_decode_kernel(
             k = k.to(q_op.dtype)
         scores = tl.dot(q_op, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i, alpha, p, l_i = online_softmax(m_i, l_i, scores)
         v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             v = v.to(q_op.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
 
     if ROPE == 2:
         if writes:  # the program whose chunk holds the newest token
@@ -324,13 +332,9 @@ def _paged_decode_kernel(
             kq = k_c.to(q_op.dtype).to(tl.float32)
             vq = v_c.to(q_op.dtype)
             s_new = tl.sum(q_op.to(tl.float32) * kq[None, :], 1) * qk_scale
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            l_i = l_i * alpha + p_new
-            p_v = p_new.to(vq.dtype).to(tl.float32)
-            acc = acc * alpha[:, None] + p_v[:, None] * vq.to(tl.float32)[None, :]
-            m_i = m_new
+            m_i, alpha, p, l_i = online_softmax(m_i, l_i, s_new[:, None])  # a block of 1
+            p_v = p.to(vq.dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p_v * vq.to(tl.float32)[None, :]
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)

@@ -39,7 +39,12 @@ import triton.language as tl
 
 from kvscale.kernels._utils import dot_precision, is_interpreter, is_power_of_2, next_power_of_2
 from kvscale.kernels.fp8 import is_fp8
-from kvscale.kernels.paged_decode import check_cache_dtype, dequantized, gather_kv
+from kvscale.kernels.paged_decode import (
+    check_cache_dtype,
+    dequantized,
+    gather_kv,
+    online_softmax,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -121,15 +126,11 @@ def _attn_tiles(
         if CAUSAL:
             visible = offs_n[None, :] <= q_pos[:, None]
             scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i, alpha, p, l_i = online_softmax(m_i, l_i, scores)
         v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
     return acc, l_i, m_i
 
 
