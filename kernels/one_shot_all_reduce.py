@@ -159,7 +159,6 @@ def _one_shot_kernel(
     dtype = x_ptr.dtype.element_ty
     use = tl.load(uses_ptr + row)
     epoch = use + 1
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if NORM:  # local: in flight while the peers' rows arrive
         r, w = load_norm_operands(res_ptr + row * stride_r, w_ptr, offs, mask)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -180,8 +179,8 @@ def _one_shot_kernel(
                 tl.store(peer + (slot_row + RANK) * words_per_row + offs_w, packed, mask=w_mask)
         mine = (tl.load(data_ptrs + RANK) + ll_offset).to(tl.pointer_type(tl.int64))
         for j in tl.static_range(WORLD):
-            if j == RANK:
-                acc += x.to(tl.float32)
+            if j == RANK:  # the row as sent: no second load of x
+                acc += _ll_unpack(packed, dtype, EPW, BLOCK).to(tl.float32)
             else:
                 at = mine + (slot_row + j) * words_per_row + offs_w
                 v = tl.load(at, mask=w_mask, other=0, volatile=True)
@@ -191,6 +190,7 @@ def _one_shot_kernel(
                     v = tl.load(at, mask=w_mask, other=0, volatile=True)
                 acc += _ll_unpack(v, dtype, EPW, BLOCK).to(tl.float32)
     else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         base = ((use & 1) * max_rows + row).to(tl.int64) * WORLD  # data[slot, row, 0]
         mine = tl.multiple_of(tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)), 16)
         sent = (base + RANK) * hidden  # where the peers keep this rank's row
