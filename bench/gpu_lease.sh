@@ -963,8 +963,9 @@ plan_r71() {
 # kernel at HEAD and with both switches on.
 plan_r72() {
   facts
-  ckpt_beside tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
-    tests/kernels/test_paged_decode.py tests/kernels/test_elementwise.py
+  ckpt_beside tests-kernels 360 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
+    tests/kernels/test_paged_decode.py tests/kernels/test_elementwise.py \
+    tests/kernels/test_paged_prefill.py  # online_softmax, shared since d86741f
   step tests-gpu 420 env KVSCALE_DECODE_MERGE=1 "${PT[@]}" tests/gpu/test_engine_cuda.py \
     tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py tests/gpu/test_int4_cuda.py
   for round in 1 2; do
