@@ -17,8 +17,8 @@ access to another GPU's memory is a write, which does not wait for an answer):
   1. ``use = uses[r]``, ``slot = use & 1``, ``epoch = use + 1`` (int32, wrapping);
   2. writes row r of x into ``data_j[slot, r, i]`` of every other rank j, then (release,
      system scope) ``epoch`` into ``signals_j[r, i]``;
-  3. waits (acquire, system scope) until every ``signals_i[r, j]`` has reached ``epoch``
-     (compared as ``flag - epoch >= 0``, so the count may wrap);
+  3. waits (acquire, system scope) until every ``signals_i[r, j]`` is ``epoch`` or
+     ``epoch + 1`` (int32, wrapping: the peer may be one launch of the row ahead);
   4. sums its own row and the rows in its own ``data_i[slot, r, j]`` in rank order, in
      fp32, rounded to the dtype: every rank gets the same bits (the sum NCCL returns for
      two ranks);
@@ -30,9 +30,14 @@ access to another GPU's memory is a write, which does not wait for an answer):
 Why this is safe with two slots and no acknowledgement: rank i writes ``data_j[slot, r,
 i]`` again two launches of row r later, after waiting (launch between) for rank j's
 epoch, which rank j sent after its launch that read the slot had finished (launches on
-one stream run in order). A flag may move on by one epoch before its reader looks (the
-reader needs "reached", not "equal"), and the rows of that later epoch are in the other
-slot. All state is on the device (no host-side counter), so CUDA graphs replay it as is.
+one stream run in order). A flag may move on by one epoch before its reader looks, and
+the rows of that later epoch are in the other slot; it never moves on by two. It may lag
+by any number of launches when some of the row's launches moved as flagged words (below),
+which send no flag, so the wait tests for those two values, not for ``flag - epoch >=
+0``: a flag 2**31 launches back, or the 0 it starts at once the count has wrapped to
+negative epochs, would pass that test before the peer's row is in (only a lag of 2**32 - 1
+or 2**32 launches fools the equality). All state is on the device (no host-side
+counter), so CUDA graphs replay it as is.
 Every rank must launch the same sequence of row counts (tensor-parallel ranks run the
 same steps); a rank that never arrives leaves the others waiting, as NCCL would.
 
@@ -209,8 +214,9 @@ def _one_shot_kernel(
         for j in tl.static_range(WORLD):
             if j != RANK:
                 flag = my_signals + row * WORLD + j
-                while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
-                    pass
+                ahead = tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch
+                while (ahead != 0) & (ahead != 1):
+                    ahead = tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch
         tl.debug_barrier()  # no thread reads a peer's row before its flag is in
         for j in tl.static_range(WORLD):
             if j == RANK:

@@ -18,6 +18,7 @@ about to wrap (int32) starts the counters of one run: the slots and epochs wrap 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -59,12 +60,13 @@ def _rank(
     dtype: torch.dtype,
     start: int,
     ll_max: int,
+    lag_s: float,
     buffers: list[torch.Tensor],
     q: Any,
 ) -> None:
     """One rank: every launch of ``LAUNCHES`` in order (every row's launch count starting
-    at ``start``; sums of up to ``ll_max`` rows as flagged words), then its flags, words
-    and counters."""
+    at ``start``; sums of up to ``ll_max`` rows as flagged words; the last rank ``lag_s``
+    late to each), then its flags, words and counters."""
     try:
         osar.LL_MAX_ROWS = ll_max or osar.LL_MAX_ROWS  # this rank process's own module
         device = torch.device("cpu")
@@ -73,6 +75,8 @@ def _rank(
         uses = torch.full((MAX_ROWS,), start, dtype=torch.int32, device=device)
         results = []
         for launch in _inputs(world, dtype):
+            if rank == world - 1:
+                time.sleep(lag_s)
             x = launch["parts"][rank].clone()
             residual = launch["residual"]
             residual = residual.clone() if residual is not None else None
@@ -105,19 +109,23 @@ def test_ranks_get_the_same_exact_sum_and_norm(world: int, dtype: torch.dtype, l
 @PROTOCOLS
 def test_launch_counts_may_wrap(ll_max: int) -> None:
     """Counters 3 launches short of int32's end: rows 0-2 cross it (slot and epoch wrap
-    on every rank alike) and still sum exactly."""
-    _check_ranks(2, torch.float32, start=2**31 - 3, ll_max=ll_max)
+    on every rank alike) and still sum exactly. The last rank comes late to every launch,
+    so rank 0 is always the one waiting (mixed: on flags that launches moved as flagged
+    words left behind, the first one still the 0 it started at)."""
+    _check_ranks(2, torch.float32, start=2**31 - 3, ll_max=ll_max, lag_s=0.3)
 
 
 def _int32(n: int) -> int:
     return (n + 2**31) % 2**32 - 2**31
 
 
-def _check_ranks(world: int, dtype: torch.dtype, start: int, ll_max: int) -> None:
+def _check_ranks(
+    world: int, dtype: torch.dtype, start: int, ll_max: int, lag_s: float = 0.0
+) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"  # travels to the ranks in the environment
     nbytes = buffer_bytes(MAX_ROWS, HIDDEN, dtype, world)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world)]
-    got = run_ranks(_rank, world, (world, dtype, start, ll_max, buffers), timeout_s=300)
+    got = run_ranks(_rank, world, (world, dtype, start, ll_max, lag_s, buffers), timeout_s=300)
     for rank, result in got.items():
         assert not isinstance(result, str), f"rank {rank}: {result}"
     for i, launch in enumerate(_inputs(world, dtype)):
