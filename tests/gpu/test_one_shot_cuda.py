@@ -8,6 +8,7 @@ in bf16 and fp32:
 - the sum against ``dist.all_reduce``;
 - the fused residual add + RMSNorm against NCCL's sum followed by the
   ``fused_add_rms_norm`` kernel (the unfused path), residual included;
+- launch counts crossing int32's end, in row counts that mix the protocols;
 - both again inside one CUDA graph holding many launches, replayed with new inputs;
 - ``ParallelState`` taking NCCL for sums over the buffer's rows, with the same bits as the
   unfused path there too;
@@ -85,6 +86,19 @@ def _check(rank: int, port: int, dtype: torch.dtype) -> list[str]:
         comm.all_reduce(got_x, got_r, weight, EPS)
         if not (torch.equal(got_x, want_x) and torch.equal(got_r, want_r)):
             bad.append(f"add + norm of {rows} rows")
+
+    # launch counts about to wrap (int32), row counts mixing the protocols (flagged words
+    # for small sums with KVSCALE_ALLREDUCE_LL=1, flags above): still NCCL's bits
+    torch.cuda.synchronize()
+    dist.barrier()
+    comm.uses.fill_(2**31 - 3)
+    for rows in (1, 64, 2, 64, 1, 16, 64):
+        x, residual, weight = inputs(rows)
+        want_x, want_r = unfused(x, residual, weight)
+        got_x, got_r = x.clone(), residual.clone()
+        comm.all_reduce(got_x, got_r, weight, EPS)
+        if not (torch.equal(got_x, want_x) and torch.equal(got_r, want_r)):
+            bad.append(f"add + norm of {rows} rows, launch counts wrapping")
 
     # many launches in one graph (as a decode graph holds 65), replayed with new inputs
     rows = 8
