@@ -955,65 +955,55 @@ plan_r71() {
     --out-dir "$RES" --ckpt "$CKPT" --phases decode-kernels
 }
 
-# r72 (one H100; e60, e61): needs `mkdir ab-prev && git archive 28029e3 | tar x -C ab-prev`
-# (the code before e60; untracked, it travels). The kernel tests natively (the merge's
-# bit-equality with real concurrency, the norms), the GPU tests with the in-kernel merge
-# on (KVSCALE_DECODE_MERGE=1), then C alternated twice: before, HEAD (the norms' loads
-# first), HEAD with the merge, HEAD with the merge and the in-loop RoPE mode; C's step by
-# kernel at HEAD and with both switches on.
+# r72 (nvidia-h100-x2: 2 H100s, so TP=1's numbers are issue 23's and TP=2 / TP=1 issue
+# 24's, in one lease of ~20 minutes; e60, e61, e62). Needs `mkdir ab-prev && git archive
+# 28029e3 | tar x -C ab-prev` (the code before e60; untracked, it travels). GPU 0 writes the
+# checkpoint and runs the engine, speculative, draft and int4 GPU tests with the in-kernel
+# split-KV merge on (KVSCALE_DECODE_MERGE=1) while GPU 1 runs the kernel tests natively
+# (the merge's bit-equality with real concurrency, the norms, the online-softmax helper);
+# then the TP and one-shot GPU tests with the merge and the flagged words
+# (KVSCALE_ALLREDUCE_LL=1: the mixed protocols across int32's wrap included); the
+# all-reduce bench with flags and with flagged words; C alternated twice (an engine a
+# process): TP=1 before / HEAD / HEAD with the merge, TP=2 the same and HEAD with the merge
+# and the flagged words; C's step by kernel at TP=1, HEAD without and with the merge.
 plan_r72() {
   facts
-  ckpt_beside tests-kernels 360 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
-    tests/kernels/test_paged_decode.py tests/kernels/test_elementwise.py \
-    tests/kernels/test_paged_prefill.py  # online_softmax, shared since d86741f
-  step tests-gpu 420 env KVSCALE_DECODE_MERGE=1 "${PT[@]}" tests/gpu/test_engine_cuda.py \
-    tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py tests/gpu/test_int4_cuda.py
-  for round in 1 2; do
-    install_tree ab-prev prev
-    step "c-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/prev-$round" \
-      --ckpt "$CKPT" --phases c
-    install_tree . head
-    for mode in 00 10 11; do  # merge, in-loop
-      step "c-head-$mode-$round" 150 env KVSCALE_DECODE_MERGE="${mode:0:1}" \
-        KVSCALE_ROPE_IN_LOOP="${mode:1:1}" python3 bench/engine_bench.py \
-        --out-dir "$RES/head-$mode-$round" --ckpt "$CKPT" --phases c
-    done
-  done
-  for mode in 00 11; do
-    step "decode-kernels-$mode" 120 env KVSCALE_DECODE_MERGE="${mode:0:1}" \
-      KVSCALE_ROPE_IN_LOOP="${mode:1:1}" python3 bench/engine_bench.py \
-      --out-dir "$RES/kernels-$mode" --ckpt "$CKPT" --phases decode-kernels
-  done
-}
-
-# r73 (2 GPUs; e60, e61, e62 at TP=2): ab-prev as for r72. The TP GPU tests and the
-# one-shot test with the merge (KVSCALE_DECODE_MERGE=1) and the flagged-word all-reduce
-# (KVSCALE_ALLREDUCE_LL=1) on; the all-reduce bench with flags and with flagged words;
-# then C alternated twice: before e60 (TP=2, TP=1), HEAD (TP=2, TP=1), HEAD with the merge
-# (TP=2, TP=1), HEAD with the merge and the flagged words (TP=2).
-plan_r73() {
-  facts
-  ckpt_beside tests-tp 420 env KVSCALE_DECODE_MERGE=1 KVSCALE_ALLREDUCE_LL=1 "${PT[@]}" \
+  (export CUDA_VISIBLE_DEVICES=0
+   ckpt_write 300
+   step tests-gpu 420 env KVSCALE_DECODE_MERGE=1 "${PT[@]}" tests/gpu/test_engine_cuda.py \
+     tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py tests/gpu/test_int4_cuda.py) &
+  (export CUDA_VISIBLE_DEVICES=1
+   step tests-kernels 360 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" \
+     tests/kernels/test_paged_decode.py tests/kernels/test_elementwise.py \
+     tests/kernels/test_paged_prefill.py) &
+  wait
+  step tests-tp 420 env KVSCALE_DECODE_MERGE=1 KVSCALE_ALLREDUCE_LL=1 "${PT[@]}" \
     tests/gpu/test_tensor_parallel_cuda.py tests/gpu/test_one_shot_cuda.py
   for ll in 0 1; do
-    step "all-reduce-ll$ll" 240 env KVSCALE_ALLREDUCE_LL=$ll python3 bench/all_reduce.py \
+    step "all-reduce-ll$ll" 120 env KVSCALE_ALLREDUCE_LL=$ll python3 bench/all_reduce.py \
       --out-dir "$RES/all-reduce-ll$ll"
   done
+  local round mode
   for round in 1 2; do
     install_tree ab-prev prev
-    step "c-tp2-prev-$round" 200 python3 bench/engine_bench.py \
-      --out-dir "$RES/tp2-prev-$round" --ckpt "$CKPT" --phases c-tp2
     step "c-tp1-prev-$round" 150 python3 bench/engine_bench.py \
       --out-dir "$RES/tp1-prev-$round" --ckpt "$CKPT" --phases c
+    step "c-tp2-prev-$round" 200 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp2-prev-$round" --ckpt "$CKPT" --phases c-tp2
     install_tree . head
     for mode in 00 10 11; do  # merge, flagged words
+      if [ "$mode" != 11 ]; then  # the flagged words change nothing at TP=1
+        step "c-tp1-$mode-$round" 150 env KVSCALE_DECODE_MERGE="${mode:0:1}" python3 \
+          bench/engine_bench.py --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
+      fi
       step "c-tp2-$mode-$round" 200 env KVSCALE_DECODE_MERGE="${mode:0:1}" \
         KVSCALE_ALLREDUCE_LL="${mode:1:1}" python3 bench/engine_bench.py \
         --out-dir "$RES/tp2-$mode-$round" --ckpt "$CKPT" --phases c-tp2
-      [ "$mode" = 11 ] && continue  # the flagged words change nothing at TP=1
-      step "c-tp1-$mode-$round" 150 env KVSCALE_DECODE_MERGE="${mode:0:1}" python3 \
-        bench/engine_bench.py --out-dir "$RES/tp1-$mode-$round" --ckpt "$CKPT" --phases c
     done
+  done
+  for mode in 0 1; do
+    step "decode-kernels-$mode" 120 env KVSCALE_DECODE_MERGE=$mode python3 \
+      bench/engine_bench.py --out-dir "$RES/kernels-$mode" --ckpt "$CKPT" --phases decode-kernels
   done
 }
 
