@@ -1,7 +1,8 @@
 """Batched sampling math: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
-All functions take fp32 logits ``[N, V]`` (one row per sequence that samples this step)
-and per-row parameter tensors ``[N]`` on the same device, with no per-row Python loop
+All functions take fp32 logits ``[N, V]`` (one row per sequence that samples this step;
+steps that take only the argmax pass the model's dtype: ``SamplingPlan.argmax_only``) and
+per-row parameter tensors ``[N]`` on the same device, with no per-row Python loop
 except the draw for rows that carry their own seeded generator, and no device-to-host
 sync: what must be known on the host (all rows greedy? any top-k?) comes as flags.
 """

@@ -572,8 +572,9 @@ class DraftRunner:
     def _draw(
         self, logits: torch.Tensor, dev: dict[str, torch.Tensor], j: int, want_q: bool
     ) -> None:
-        """Draft ``j`` of rows ``dev["draft_rows"]`` from their logits ``[S, V]`` fp32,
-        into ``_tokens[:, j]`` (and ``_q_*[:, j]``) and the worker's ``last_tokens``."""
+        """Draft ``j`` of rows ``dev["draft_rows"]`` from their logits ``[S, V]`` (the
+        model's dtype; divided by the fp32 temperatures they become fp32, exactly), into
+        ``_tokens[:, j]`` (and ``_q_*[:, j]``) and the worker's ``last_tokens``."""
         if logits.shape[1] > self.vocab_size:
             logits[:, self.vocab_size :] = float("-inf")
         rows = dev["draft_rows"]

@@ -119,8 +119,8 @@ class DecodeGraphs:
     def run(self, dev: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         """Replays the graph for a decode step whose device inputs (``ids``, ``positions``,
         ``slots``, ``seq_lens`` [bs]; ``tables`` [bs, W]) are padded to a captured size
-        ``bs``; returns the fp32 logits ``[n, V]`` of the real rows. Table columns past W
-        keep stale entries: kernels never read past a row's length."""
+        ``bs``; returns the logits ``[n, V]`` (the model's dtype) of the real rows. Table
+        columns past W keep stale entries: kernels never read past a row's length."""
         bs = dev["ids"].shape[0]
         load_decode_inputs(
             dev["ids"], dev["positions"], dev["slots"], dev["seq_lens"], dev["tables"],

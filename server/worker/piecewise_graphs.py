@@ -208,7 +208,8 @@ class PiecewiseGraphs:
     # ---- one step -----------------------------------------------------------------------
     def run(self, step: StepInput, dev: dict[str, torch.Tensor], bucket: int) -> torch.Tensor:
         """The step (``n <= bucket`` tokens of ``B`` sequences, unpadded device inputs)
-        through the pieces of ``bucket``; fp32 logits ``[S, V]`` of its sampling rows."""
+        through the pieces of ``bucket``; logits ``[S, V]`` (the model's dtype) of its
+        sampling rows."""
         n, b = step.num_tokens, step.num_seqs
         width = dev["tables"].shape[1]
         self.input_ids[:n].copy_(resolve_placeholders(dev["ids"], self.last_tokens))

@@ -63,6 +63,18 @@ class SamplingPlan:
     def num_rows(self) -> int:
         return len(self.seeds)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's token is the argmax of its logits as the model made them: greedy,
+        nothing edits the logits (penalties, bans, biases, grammars), no logprobs. Such a
+        step reads the logits in the model's dtype (the argmax of the upcast values is the
+        same: upcasting is exact); any other converts them to fp32 first."""
+        return (
+            self.all_greedy
+            and not (self.do_penalties or self.ban or self.bias or self.grammar_rows)
+            and all(k is None for k in self.logprobs)
+        )
+
 
 @dataclass
 class StepInput:

@@ -498,8 +498,8 @@ class Worker:
             return self.model(ids, positions)
 
     def _forward_eager(self, step: StepInput, dev: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The model on the step's device inputs; fp32 logits ``[S, V]`` of the rows that
-        sample."""
+        """The model on the step's device inputs; logits ``[S, V]`` (the model's dtype) of
+        the rows that sample."""
         hidden = self._run_model(step, dev)
         return self.model.compute_logits(hidden[dev["logits_idx"]])  # type: ignore[operator]
 
@@ -512,7 +512,7 @@ class Worker:
         parts = []
         for i in range(0, idx.shape[0], PROMPT_LOGPROB_CHUNK):
             rows = idx[i : i + PROMPT_LOGPROB_CHUNK]
-            logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+            logits = self.model.compute_logits(hidden[rows]).float()  # type: ignore[operator]
             parts.append(top_logprobs(logits, ids[i : i + PROMPT_LOGPROB_CHUNK], k))
         return tuple(torch.cat(cols) for cols in zip(*parts, strict=True))
 
@@ -524,6 +524,8 @@ class Worker:
         dev: dict[str, torch.Tensor],
         prompt_lp: tuple[torch.Tensor, ...] | None = None,
     ) -> PendingStep:
+        if not plan.argmax_only:
+            logits = logits.float()  # edited in place below (a copy unless fp32 already)
         full = None
         if plan.spec_k:  # verify rows: normal sampling reads each row's last position
             full, logits = logits, logits[dev["spec_last"]]

@@ -1,0 +1,85 @@
+"""The logits a step samples from: a step that takes only argmaxes reads them in the
+model's dtype (no fp32 copy of the whole vocabulary); any other step upcasts them first.
+Through a real worker (bf16 weights, CPU), against the fp32 upcast of the same logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvscale.server.config import EngineConfig
+from kvscale.server.engine.scheduler import ScheduledBatch
+from kvscale.server.engine.sequence import Sequence
+from kvscale.server.engine.step_inputs import build_step
+from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.worker.step import SamplingPlan
+from kvscale.server.worker.worker import Worker
+
+BS = 8
+
+
+@pytest.mark.parametrize(
+    ("plan", "argmax_only"),
+    [
+        (SamplingPlan([None, None], [None, None], all_greedy=True), True),
+        (SamplingPlan([None], [None], all_greedy=True, spec_k=3), True),  # greedy verify
+        (SamplingPlan([None, 5], [None, None]), False),  # a row samples
+        (SamplingPlan([None], [2], all_greedy=True), False),  # logprobs: log_softmax in fp32
+        (SamplingPlan([None], [None], all_greedy=True, do_penalties=True), False),
+        (SamplingPlan([None], [None], all_greedy=True, ban=True), False),
+        (SamplingPlan([None], [None], all_greedy=True, bias=True), False),
+        (SamplingPlan([None], [None], all_greedy=True, grammar_rows=[0]), False),
+    ],
+)
+def test_which_steps_take_only_the_argmax(plan: SamplingPlan, argmax_only: bool) -> None:
+    assert plan.argmax_only is argmax_only
+
+
+@pytest.fixture(scope="module")
+def worker(llama_ckpt: Path) -> Worker:
+    cfg = EngineConfig(
+        model=str(llama_ckpt), device="cpu", dtype="bfloat16", num_kv_blocks=16, block_size=BS
+    ).resolve()
+    return Worker(cfg)
+
+
+def _prefill(worker: Worker, params: list[SamplingParams]) -> tuple[torch.Tensor, list]:
+    """One prefill step of three fixed prompts (the same slots every call); returns the
+    logits the sampler was given (their upcast copy, taken before sampling) and the rows'
+    (token, logprobs)."""
+    vocab = worker.config.model.vocab_size
+    rng = np.random.default_rng(3)
+    seqs = []
+    for i, (table, n) in enumerate(zip([[0, 1], [2], [3, 4]], [11, 6, 9], strict=True)):
+        s = Sequence(i, f"r{i}", 0, rng.integers(0, vocab, n).tolist(), params[i])
+        s.block_table = table
+        seqs.append(s)
+    step, _ = build_step(ScheduledBatch(seqs, [11, 6, 9]), BS, 0, {}, vocab)
+    fwd = worker.forward(step)
+    assert fwd.logits.dtype == torch.bfloat16  # as the model made them, in every case
+    logits = fwd.logits.float()
+    res = worker.sample(fwd).result()
+    return logits, list(zip(res.token_ids, res.logprobs, strict=True))
+
+
+def test_argmax_steps_read_bf16_logits_and_pick_the_fp32_argmax(worker: Worker) -> None:
+    greedy = SamplingParams(temperature=0)
+    logits, rows = _prefill(worker, [greedy] * 3)
+    assert [t for t, _ in rows] == logits.argmax(dim=-1).tolist()
+    # a row that wants logprobs makes the step upcast: same tokens, fp32 logprobs
+    with_lp = SamplingParams(temperature=0, logprobs=2)
+    logits2, rows2 = _prefill(worker, [greedy, with_lp, greedy])
+    torch.testing.assert_close(logits2, logits, rtol=0, atol=0)
+    assert [t for t, _ in rows2] == [t for t, _ in rows]
+    token, (top_ids, top_lp, lp, rank) = rows2[1]
+    want = torch.log_softmax(logits[1], dim=-1)
+    assert top_ids[0] == token and rank == 1
+    assert lp == pytest.approx(want[token].item(), abs=1e-5)
+    assert top_lp == pytest.approx(want.topk(2).values.tolist(), abs=1e-5)
+    # a sampled row: drawn from the fp32 distribution; still a token of the vocabulary
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    _, rows3 = _prefill(worker, [sampled, greedy, greedy])
+    assert 0 <= rows3[0][0] < logits.shape[1] and rows3[1:] == rows[1:]
