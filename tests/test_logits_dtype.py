@@ -1,6 +1,7 @@
 """The logits a step samples from: a step that takes only argmaxes reads them in the
-model's dtype (no fp32 copy of the whole vocabulary); any other step upcasts them first.
-Through a real worker (bf16 weights, CPU), against the fp32 upcast of the same logits."""
+model's dtype (no fp32 copy of the whole vocabulary) and makes no device tensors of the
+sampling parameters; any other step upcasts them first. Through a real worker (bf16
+weights, CPU), against the fp32 upcast of the same logits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvscale.server.worker.worker as worker_module
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.scheduler import ScheduledBatch
 from kvscale.server.engine.sequence import Sequence
@@ -83,3 +85,21 @@ def test_argmax_steps_read_bf16_logits_and_pick_the_fp32_argmax(worker: Worker) 
     sampled = SamplingParams(temperature=0.8, seed=3)
     _, rows3 = _prefill(worker, [sampled, greedy, greedy])
     assert 0 <= rows3[0][0] < logits.shape[1] and rows3[1:] == rows[1:]
+
+
+def test_argmax_steps_make_no_sampling_parameter_tensors(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+    real = worker_module._sampling_tensors
+
+    def counted(*args: object) -> object:
+        made.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker_module, "_sampling_tensors", counted)
+    greedy = SamplingParams(temperature=0)
+    _prefill(worker, [greedy] * 3)
+    assert made == []  # two dtype conversions (kernels on a GPU) a step fewer
+    _prefill(worker, [SamplingParams(temperature=0.8, seed=1), greedy, greedy])
+    assert made == [1]

@@ -538,12 +538,15 @@ class Worker:
             apply_logit_bias(logits, dev["bias_rows"], dev["bias_cols"], dev["bias_vals"])
         if plan.grammar_rows:
             apply_token_bitmask(logits, dev["grammar_rows"], dev["bitmask"])
-        t = _sampling_tensors(dev["sampling"], plan)
         prompt_mask = counts = None
-        if plan.do_penalties:
-            prompt_mask, counts = self._penalty_inputs(dev, plan.num_rows)
-        generators = seeded_generators(plan.seeds, self.device) if not plan.all_greedy else []
-        tokens = sample(logits, t, generators, self.generator, prompt_mask, counts)
+        if plan.argmax_only:  # no parameter is read: no device tensors made of them
+            tokens = ops.argmax(logits)
+        else:
+            t = _sampling_tensors(dev["sampling"], plan)
+            if plan.do_penalties:
+                prompt_mask, counts = self._penalty_inputs(dev, plan.num_rows)
+            generators = seeded_generators(plan.seeds, self.device) if not plan.all_greedy else []
+            tokens = sample(logits, t, generators, self.generator, prompt_mask, counts)
         spec = None
         if full is not None:
             spec = self._verify(plan, full, dev, prompt_mask, counts)
