@@ -130,9 +130,9 @@ PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
 # two GPUs; run by name only
 TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce", "c-tp2")
-# comparisons of one change, run by name only (not in all); ``c`` (and ``c-tp2``): C
-# alone, for engines compared one process each
-NAMED_PHASES = ("spec-device", "c")
+# comparisons of one change, run by name only (not in all); ``c`` (and ``c-tp2``), ``a``:
+# C or A alone, for engines compared one process each
+NAMED_PHASES = ("spec-device", "c", "a")
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
@@ -1831,6 +1831,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close
         ),
         "c": lambda: phase_ours(ckpt, "C"),
+        "a": lambda: phase_ours(ckpt, "A"),
         "c-tp2": lambda: phase_ours(ckpt, "C", tensor_parallel_size=2),
         "spec-device": lambda: spec_bench.phase_spec_device(
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close

@@ -965,7 +965,8 @@ plan_r71() {
 # (KVSCALE_ALLREDUCE_LL=1: the mixed protocols across int32's wrap included); the
 # all-reduce bench with flags and with flagged words; C alternated twice (an engine a
 # process): TP=1 before / HEAD / HEAD with the merge, TP=2 the same and HEAD with the merge
-# and the flagged words; C's step by kernel at TP=1, HEAD without and with the merge.
+# and the flagged words; C's step by kernel at TP=1, HEAD without and with the merge; A
+# before / HEAD alternated, as device time allows.
 plan_r72() {
   facts
   (export CUDA_VISIBLE_DEVICES=0
@@ -1004,6 +1005,15 @@ plan_r72() {
   for mode in 0 1; do
     step "decode-kernels-$mode" 120 env KVSCALE_DECODE_MERGE=$mode python3 \
       bench/engine_bench.py --out-dir "$RES/kernels-$mode" --ckpt "$CKPT" --phases decode-kernels
+  done
+  # last, as device time allows: A before / HEAD, alternated (e60's norms and e63's logits)
+  for round in 1 2; do
+    install_tree ab-prev prev
+    step "a-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/a-prev-$round" \
+      --ckpt "$CKPT" --phases a
+    install_tree . head
+    step "a-head-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/a-head-$round" \
+      --ckpt "$CKPT" --phases a
   done
 }
 
