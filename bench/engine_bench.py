@@ -255,7 +255,9 @@ def serving_bound(
     output`` prompt tokens; all the step's tokens pass every layer's matmuls, the decode
     rows the head, and each token attends to its context (a prompt token to half its
     prompt on average). The floor is the larger of the two (``memory_tpot_ms``,
-    ``compute_tpot_ms`` beside it)."""
+    ``compute_tpot_ms`` beside it). ``serial_tpot_ms``: the step as its kernels run, one
+    after another: the matmuls (or the weights' read, the longer) and then the decode
+    rows' K/V read, which no matmul overlaps (NOTES e64)."""
     batch = min(concurrency, len(lengths))
     mean_in = statistics.fmean(i for i, _ in lengths)
     mean_out = statistics.fmean(o for _, o in lengths)
@@ -274,6 +276,10 @@ def serving_bound(
         )
         res["compute_tpot_ms"] = 1e3 * flops / flop_per_s
         step = max(step, flops / flop_per_s)
+        matmul_s = (2 * p["layers"] * (batch + prefill) + 2 * p["lm_head"] * batch) / flop_per_s
+        weights_s = weight_bytes_per_step(cfg) / copy_bytes_per_s
+        kv_s = batch * ctx * kv_bytes_per_token(cfg) / copy_bytes_per_s
+        res["serial_tpot_ms"] = 1e3 * (max(matmul_s, weights_s) + kv_s)
     return {**res, "tpot_ms": 1e3 * step, "output_tok_per_s": batch / step}
 
 

@@ -81,6 +81,24 @@ def test_serving_bound_counts_the_prefill_each_step_carries() -> None:
     assert small["tpot_ms"] == pytest.approx(small["memory_tpot_ms"])  # batch 1: the weights
 
 
+def test_serving_bound_serial_floor_adds_the_kv_read_to_the_matmuls() -> None:
+    """Kernels one after another: the matmuls (or the weights' read), then the decode
+    rows' K/V. At D's c=256 that is ~13.8 ms, the 14 ms target of issue 23 (NOTES e64)."""
+    cfg = eb.LLAMA_31_8B
+    p = eb.param_counts(cfg)
+    lengths = [(200, 100), (200, 100)]
+    b = eb.serving_bound(cfg, lengths, 2, 3.0e12, 722e12)
+    prefill = 2 * 200 / 100
+    matmul = (2 * p["layers"] * (2 + prefill) + 2 * p["lm_head"] * 2) / 722e12
+    weights = eb.weight_bytes_per_step(cfg) / 3.0e12
+    kv = 2 * 250 * eb.kv_bytes_per_token(cfg) / 3.0e12
+    assert weights > matmul  # two sequences: the weights' read is the longer
+    assert b["serial_tpot_ms"] == pytest.approx(1e3 * (weights + kv))
+    d = eb.serving_bound(cfg, eb.serve_lengths(256), 256, 3.0e12, 722e12)
+    assert d["serial_tpot_ms"] > d["tpot_ms"]
+    assert 13.5 < d["serial_tpot_ms"] < 14.0
+
+
 def test_serve_prompt_counts() -> None:
     assert [eb.serve_prompts(c) for c in (1, 16, 64, 256)] == [16, 32, 128, 512]
     assert eb.serve_prompts(1, peer=True) == 4 and eb.serve_prompts(64, peer=True) == 128
