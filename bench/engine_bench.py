@@ -217,7 +217,9 @@ def throughput_bound(
     compute (every token through every matmul, causal attention included) and memory
     (at least ``max(longest output, total output / max_batch)`` decode steps each reading
     the weights, plus every generated token reading its context's KV once). Returns
-    seconds and the output tokens/s bound."""
+    seconds and the output tokens/s bound, and beside them ``serial_s`` (the matmuls or
+    the weights' reads, the longer, then the KV reads, as kernels one after another run
+    them; NOTES e64)."""
     p = param_counts(cfg)
     h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     total_out = sum(o for _, o in lengths)
@@ -232,11 +234,14 @@ def throughput_bound(
         steps * weight_bytes_per_step(cfg) + kv_reads * kv_bytes_per_token(cfg)
     ) / copy_bytes_per_s
     bound_s = max(compute_s, memory_s)
+    weights_s = steps * weight_bytes_per_step(cfg) / copy_bytes_per_s
+    kv_s = kv_reads * kv_bytes_per_token(cfg) / copy_bytes_per_s
     return {
         "compute_s": compute_s,
         "memory_s": memory_s,
         "bound_s": bound_s,
         "output_tok_per_s": total_out / bound_s,
+        "serial_s": max(linear / flop_per_s, weights_s) + kv_s,
     }
 
 

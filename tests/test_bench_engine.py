@@ -38,6 +38,13 @@ def test_throughput_bound_takes_the_slower_limit() -> None:
     assert b["memory_s"] == pytest.approx(256 * eb.decode_step_floor_s(cfg, avg_ctx, 3.0e12))
     fast_memory = eb.throughput_bound(cfg, [(512, 256)] * 256, 256, 3.0e15, 7.9e14)
     assert fast_memory["bound_s"] == pytest.approx(fast_memory["compute_s"])
+    # kernels one after another: the matmuls (here longer than 256 weight reads), then KV
+    p = eb.param_counts(cfg)
+    linear = (2 * p["layers"] * 256 * 768 + 2 * p["lm_head"] * 256 * 256) / 7.9e14
+    kv = 256 * (512 * 256 + 256 * 257 // 2) * eb.kv_bytes_per_token(cfg) / 3.0e12
+    assert linear > 256 * eb.weight_bytes_per_step(cfg) / 3.0e12
+    assert b["serial_s"] == pytest.approx(linear + kv)
+    assert b["serial_s"] > b["bound_s"]
 
 
 def test_throughput_bound_counts_steps_beyond_one_batch() -> None:
