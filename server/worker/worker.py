@@ -524,7 +524,8 @@ class Worker:
         dev: dict[str, torch.Tensor],
         prompt_lp: tuple[torch.Tensor, ...] | None = None,
     ) -> PendingStep:
-        if not plan.argmax_only:
+        argmax_only = plan.argmax_only  # once: it scans the rows' logprobs requests
+        if not argmax_only:
             logits = logits.float()  # edited in place below (a copy unless fp32 already)
         full = None
         if plan.spec_k:  # verify rows: normal sampling reads each row's last position
@@ -539,7 +540,7 @@ class Worker:
         if plan.grammar_rows:
             apply_token_bitmask(logits, dev["grammar_rows"], dev["bitmask"])
         prompt_mask = counts = None
-        if plan.argmax_only:  # no parameter is read: no device tensors made of them
+        if argmax_only:  # no parameter is read: no device tensors made of them
             tokens = ops.argmax(logits)
         else:
             t = _sampling_tensors(dev["sampling"], plan)
