@@ -1017,6 +1017,63 @@ plan_r72() {
   done
 }
 
+# r72b (nvidia-h200-x2; r72's machine was released mid-plan, after its tests-tp had failed
+# one test with the merge and the flagged words on; the merge itself was checked on one GPU
+# in r72c): the TP and one-shot GPU tests as shipped (e60 on, both switches off); the
+# one-shot tests with only the flagged words on; C alternated twice (TP=1 and TP=2, before
+# e60 / HEAD, and HEAD with the flagged words where their tests passed).
+plan_r72b() {
+  facts
+  ckpt_write 150 &  # beside the tests: they make their own small checkpoints
+  step tests-tp 330 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py tests/gpu/test_one_shot_cuda.py
+  step tests-ll 200 env KVSCALE_ALLREDUCE_LL=1 "${PT[@]}" tests/gpu/test_one_shot_cuda.py \
+    tests/gpu/test_tensor_parallel_cuda.py -k one_shot
+  wait
+  local ll=0 round
+  grep -q "exit 0" <(grep "\[tests-ll\]" "$RES/log.txt") && ll=1
+  for round in 1 2; do
+    install_tree ab-prev prev
+    step "c-tp1-prev-$round" 150 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp1-prev-$round" --ckpt "$CKPT" --phases c
+    step "c-tp2-prev-$round" 200 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp2-prev-$round" --ckpt "$CKPT" --phases c-tp2
+    install_tree . head
+    step "c-tp1-head-$round" 150 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp1-head-$round" --ckpt "$CKPT" --phases c
+    step "c-tp2-head-$round" 200 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp2-head-$round" --ckpt "$CKPT" --phases c-tp2
+    if [ $ll = 1 ]; then
+      step "c-tp2-ll-$round" 200 env KVSCALE_ALLREDUCE_LL=1 python3 bench/engine_bench.py \
+        --out-dir "$RES/tp2-ll-$round" --ckpt "$CKPT" --phases c-tp2
+    fi
+  done
+}
+
+# r72c (nvidia-h200, one GPU: the 2-GPU kind was not lent when r72b was to start): the
+# merge check beside the checkpoint's writing; C before e60 / HEAD alternated twice; C's
+# step by kernel (e63); A before / HEAD.
+plan_r72c() {
+  facts
+  ckpt_write 150 &
+  step merge-check 150 python3 bench/merge_check.py --out "$RES/merge_check.json" --launches 100
+  wait
+  local round
+  for round in 1 2; do
+    install_tree ab-prev prev
+    step "c-prev-$round" 150 python3 bench/engine_bench.py \
+      --out-dir "$RES/c-prev-$round" --ckpt "$CKPT" --phases c
+    install_tree . head
+    step "c-head-$round" 150 python3 bench/engine_bench.py \
+      --out-dir "$RES/c-head-$round" --ckpt "$CKPT" --phases c
+  done
+  step decode-kernels 120 python3 bench/engine_bench.py --out-dir "$RES/kernels" \
+    --ckpt "$CKPT" --phases decode-kernels
+  install_tree ab-prev prev
+  step a-prev 150 python3 bench/engine_bench.py --out-dir "$RES/a-prev" --ckpt "$CKPT" --phases a
+  install_tree . head
+  step a-head 150 python3 bench/engine_bench.py --out-dir "$RES/a-head" --ckpt "$CKPT" --phases a
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
