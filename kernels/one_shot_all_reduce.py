@@ -128,11 +128,15 @@ def _ll_unpack(v, dtype, EPW: tl.constexpr, BLOCK: tl.constexpr):
     """The row's elements ``[BLOCK]`` in ``dtype`` from flagged words ``v [BLOCK / EPW]``
     int64 (low 4 bytes: ``EPW`` elements, the first in the low bits)."""
     lo = (v & 0xFFFFFFFF).to(tl.int32)
+    # if / else, not an early return: Triton compiles the statements after a constexpr
+    # if's return too, and a 16-bit bitcast of fp32 does not compile
     if EPW == 1:
-        return lo.to(dtype, bitcast=True)
-    first = (lo & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    second = ((lo >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    return tl.reshape(tl.join(first, second), [BLOCK])
+        out = lo.to(dtype, bitcast=True)
+    else:
+        first = (lo & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+        second = ((lo >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+        out = tl.reshape(tl.join(first, second), [BLOCK])
+    return out
 
 
 @triton.jit

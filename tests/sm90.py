@@ -61,19 +61,20 @@ def opcode(instruction: str) -> str:
     return words[1] if words[0].startswith("@") else words[0]
 
 
-def compile_one_shot_sm90(ll: bool = False) -> Any:
+def compile_one_shot_sm90(ll: bool = False, dtype: str = "bf16") -> Any:
     """``kernels.one_shot_all_reduce``'s kernel as TP=2 decode launches it on rank 0:
-    bf16 rows of 4096 with the fused norm, as flagged words (``ll``) or with flags."""
+    rows of 4096 (``dtype``: ``bf16``, ``fp16``, ``fp32``) with the fused norm, as flagged
+    words (``ll``) or with flags."""
     from kvscale.kernels.one_shot_all_reduce import _one_shot_kernel
     from kvscale.kernels.rmsnorm import row_launch_opts
 
     opts = row_launch_opts(4096)
     names = ["x_ptr", "res_ptr", "w_ptr", "data_ptrs", "signal_ptrs", "uses_ptr"]
-    types = dict(zip(names, ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*i32"], strict=True))
+    types = dict(zip(names, [f"*{dtype}"] * 3 + ["*i64", "*i64", "*i32"], strict=True))
     types |= {n: "i32" for n in ("hidden", "max_rows", "stride_x", "stride_r")}
     types |= {"eps": "fp32", "ll_offset": "i64"}
     consts = {"RANK": 0, "WORLD": 2, "NORM": True, "ALIGN": 8, "BLOCK": opts["BLOCK"],
-              "LL": ll, "LL_ROWS": 16, "EPW": 2}  # fmt: skip
+              "LL": ll, "LL_ROWS": 16, "EPW": 1 if dtype == "fp32" else 2}  # fmt: skip
     # what a launch specializes: pointers and sizes divisible by 16
     divisible = set(types) - {"eps"}
     return compile_sm90(_one_shot_kernel, types, consts, divisible, opts["num_warps"])

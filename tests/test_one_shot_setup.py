@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from tests.ports import free_port
@@ -97,6 +98,15 @@ def test_flagged_words_move_without_flags_or_a_system_fence() -> None:
     flags = compile_one_shot_sm90(ll=False).asm["ptx"]
     assert "atom." in flags and "atom." not in ll
     assert "st.global.b64" in ll and "ld.volatile.global.b64" in ll
+
+
+@pytest.mark.parametrize("ll", [False, True], ids=["flags", "flagged-words"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_the_kernel_compiles_for_every_engine_dtype(dtype: str, ll: bool) -> None:
+    """Compiled for sm_90: every dtype an engine runs, both protocols. Lease r72b's fp32
+    flagged-words kernel did not compile (a 16-bit bitcast after a constexpr return), so
+    its engines fell back to NCCL."""
+    assert compile_one_shot_sm90(ll=ll, dtype=dtype).asm["cubin"]
 
 
 def test_the_buffer_budget_limits_rows_for_wide_models_and_many_ranks() -> None:
