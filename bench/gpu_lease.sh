@@ -1074,6 +1074,41 @@ plan_r72c() {
   step a-head 150 python3 bench/engine_bench.py --out-dir "$RES/a-head" --ckpt "$CKPT" --phases a
 }
 
+# r73 (nvidia-h200-x2, ~17 minutes; what r72-r72c left owed, NOTES "e60-e63 measured"):
+# the one-shot tests with the flagged words (fp32 mended since r72b); C alternated twice,
+# an engine a process: TP=1 HEAD / the merge, TP=2 HEAD / the merge / the flagged words;
+# then A HEAD / the code before e60 alternated three times (r72c's one run each differed
+# outside the engine's steps). Needs `mkdir ab-prev && git archive 28029e3 | tar x -C
+# ab-prev` (untracked, it travels).
+plan_r73() {
+  facts
+  ckpt_write 150 &
+  step tests-ll 200 env KVSCALE_ALLREDUCE_LL=1 "${PT[@]}" tests/gpu/test_one_shot_cuda.py \
+    tests/gpu/test_tensor_parallel_cuda.py -k one_shot
+  wait
+  local round
+  for round in 1 2; do
+    step "c-tp1-head-$round" 150 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp1-head-$round" --ckpt "$CKPT" --phases c
+    step "c-tp1-merge-$round" 150 env KVSCALE_DECODE_MERGE=1 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp1-merge-$round" --ckpt "$CKPT" --phases c
+    step "c-tp2-head-$round" 200 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp2-head-$round" --ckpt "$CKPT" --phases c-tp2
+    step "c-tp2-merge-$round" 200 env KVSCALE_DECODE_MERGE=1 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp2-merge-$round" --ckpt "$CKPT" --phases c-tp2
+    step "c-tp2-ll-$round" 200 env KVSCALE_ALLREDUCE_LL=1 python3 bench/engine_bench.py \
+      --out-dir "$RES/tp2-ll-$round" --ckpt "$CKPT" --phases c-tp2
+  done
+  for round in 1 2 3; do
+    install_tree ab-prev prev
+    step "a-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/a-prev-$round" \
+      --ckpt "$CKPT" --phases a
+    install_tree . head
+    step "a-head-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/a-head-$round" \
+      --ckpt "$CKPT" --phases a
+  done
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
