@@ -53,6 +53,13 @@ bench() {  # bench NAME SECONDS PHASES [ARGS]: engine_bench.py phases, results i
     --phases "$phases" "$@"
 }
 
+run_phase() {  # run_phase NAME SECONDS PHASES [VAR=VALUE ...]: engine_bench.py in $RES/NAME
+  local name=$1 limit=$2 phases=$3
+  shift 3
+  step "$name" "$limit" env "$@" python3 bench/engine_bench.py --out-dir "$RES/$name" \
+    --ckpt "$CKPT" --phases "$phases"
+}
+
 # Issue 23, first lease: GPU tests, then the measurements in priority order.
 plan_round() {
   nvidia-smi > "$RES/nvidia-smi.txt" 2>&1
@@ -1088,24 +1095,17 @@ plan_r73() {
   wait
   local round
   for round in 1 2; do
-    step "c-tp1-head-$round" 150 python3 bench/engine_bench.py \
-      --out-dir "$RES/tp1-head-$round" --ckpt "$CKPT" --phases c
-    step "c-tp1-merge-$round" 150 env KVSCALE_DECODE_MERGE=1 python3 bench/engine_bench.py \
-      --out-dir "$RES/tp1-merge-$round" --ckpt "$CKPT" --phases c
-    step "c-tp2-head-$round" 200 python3 bench/engine_bench.py \
-      --out-dir "$RES/tp2-head-$round" --ckpt "$CKPT" --phases c-tp2
-    step "c-tp2-merge-$round" 200 env KVSCALE_DECODE_MERGE=1 python3 bench/engine_bench.py \
-      --out-dir "$RES/tp2-merge-$round" --ckpt "$CKPT" --phases c-tp2
-    step "c-tp2-ll-$round" 200 env KVSCALE_ALLREDUCE_LL=1 python3 bench/engine_bench.py \
-      --out-dir "$RES/tp2-ll-$round" --ckpt "$CKPT" --phases c-tp2
+    run_phase "c-tp1-head-$round" 150 c
+    run_phase "c-tp1-merge-$round" 150 c KVSCALE_DECODE_MERGE=1
+    run_phase "c-tp2-head-$round" 200 c-tp2
+    run_phase "c-tp2-merge-$round" 200 c-tp2 KVSCALE_DECODE_MERGE=1
+    run_phase "c-tp2-ll-$round" 200 c-tp2 KVSCALE_ALLREDUCE_LL=1
   done
   for round in 1 2 3; do
     install_tree ab-prev prev
-    step "a-prev-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/a-prev-$round" \
-      --ckpt "$CKPT" --phases a
+    run_phase "a-prev-$round" 150 a
     install_tree . head
-    step "a-head-$round" 150 python3 bench/engine_bench.py --out-dir "$RES/a-head-$round" \
-      --ckpt "$CKPT" --phases a
+    run_phase "a-head-$round" 150 a
   done
 }
 
