@@ -230,12 +230,10 @@ def throughput_bound(
     compute_s = (linear + 4 * pairs * h * n_layers) / flop_per_s
     steps = max(max(o for _, o in lengths), math.ceil(total_out / max_batch))
     kv_reads = sum(i * o + o * (o + 1) // 2 for i, o in lengths)  # context tokens read
-    memory_s = (
-        steps * weight_bytes_per_step(cfg) + kv_reads * kv_bytes_per_token(cfg)
-    ) / copy_bytes_per_s
-    bound_s = max(compute_s, memory_s)
     weights_s = steps * weight_bytes_per_step(cfg) / copy_bytes_per_s
     kv_s = kv_reads * kv_bytes_per_token(cfg) / copy_bytes_per_s
+    memory_s = weights_s + kv_s
+    bound_s = max(compute_s, memory_s)
     return {
         "compute_s": compute_s,
         "memory_s": memory_s,
@@ -274,14 +272,11 @@ def serving_bound(
         p = param_counts(cfg)
         attn = 4 * cfg["hidden_size"] * cfg["num_hidden_layers"]  # flops a (token, key) pair
         prefill = batch * mean_in / mean_out
-        flops = (
-            2 * p["layers"] * (batch + prefill)
-            + 2 * p["lm_head"] * batch
-            + attn * (batch * ctx + prefill * mean_in / 2)
-        )
+        matmul = 2 * p["layers"] * (batch + prefill) + 2 * p["lm_head"] * batch
+        flops = matmul + attn * (batch * ctx + prefill * mean_in / 2)
         res["compute_tpot_ms"] = 1e3 * flops / flop_per_s
         step = max(step, flops / flop_per_s)
-        matmul_s = (2 * p["layers"] * (batch + prefill) + 2 * p["lm_head"] * batch) / flop_per_s
+        matmul_s = matmul / flop_per_s
         weights_s = weight_bytes_per_step(cfg) / copy_bytes_per_s
         kv_s = batch * ctx * kv_bytes_per_token(cfg) / copy_bytes_per_s
         res["serial_tpot_ms"] = 1e3 * (max(matmul_s, weights_s) + kv_s)

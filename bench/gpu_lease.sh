@@ -962,7 +962,8 @@ plan_r71() {
     --out-dir "$RES" --ckpt "$CKPT" --phases decode-kernels
 }
 
-# r72 (nvidia-h100-x2: 2 H100s, so TP=1's numbers are issue 23's and TP=2 / TP=1 issue
+# r72 (written for nvidia-h100-x2, ran on nvidia-h200-x2 and was cut after its first call;
+# r72b and r72c took the rest. On 2 H100s TP=1's numbers are issue 23's, TP=2 / TP=1 issue
 # 24's, in one lease of ~20 minutes; e60, e61, e62). Needs `mkdir ab-prev && git archive
 # 28029e3 | tar x -C ab-prev` (the code before e60; untracked, it travels). GPU 0 writes the
 # checkpoint and runs the engine, speculative, draft and int4 GPU tests with the in-kernel
