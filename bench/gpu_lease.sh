@@ -1058,7 +1058,8 @@ plan_r72b() {
 }
 
 # r72c (nvidia-h200, one GPU: the 2-GPU kind was not lent when r72b was to start): the
-# merge check beside the checkpoint's writing; C before e60 / HEAD alternated twice; C's
+# merge check beside the checkpoint's writing (bench/merge_check.py went with the merge mode
+# after r73: NOTES "e61 and e62 measured"); C before e60 / HEAD alternated twice; C's
 # step by kernel (e63); A before / HEAD.
 plan_r72c() {
   facts

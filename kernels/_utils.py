@@ -55,9 +55,9 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     """The device's ``[MAX_ARRIVAL_COUNTERS]`` int32 arrival counters, zero between
     launches: a kernel whose programs combine their partial results counts each group's
     arrivals in one, and the group's last program does the combining and resets it to 0.
-    Shared by every such kernel on the device (w4a16's split-K products, the split-KV
-    decode), which is safe while they run one at a time on a stream; made outside any
-    CUDA-graph capture (the first call of a shape runs eagerly before capture)."""
+    Shared by every such kernel on the device (w4a16's split-K products), which is safe
+    while they run one at a time on a stream; made outside any CUDA-graph capture (the
+    first call of a shape runs eagerly before capture)."""
     counters = _COUNTERS.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

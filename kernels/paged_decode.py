@@ -22,8 +22,9 @@ output.
 
 Split-KV (flash-decoding): with ``num_splits > 1`` each sequence's context is cut into
 ``num_splits`` chunks processed by separate programs that write partial (max, sum, acc) to
-fp32 scratch; a second kernel merges them, or (``USE_MERGE_IN_KERNEL``) the last program
-of each (sequence, kv head) group to finish does. :func:`choose_num_splits` picks the count.
+fp32 scratch; a second kernel merges them (merging in the last program of each group to
+finish was slower on an H200: NOTES e61 measured). :func:`choose_num_splits` picks the
+count.
 
 With ``rope`` (a :class:`RopeWrite`: a decode step's positions, new k and v, the rotary
 table and the slots) the kernel also does ``kernels.rope_kv_cache``'s work for the step,
@@ -51,8 +52,6 @@ import triton.language as tl
 
 from kvscale.kernels import rope_kv_cache, rotary
 from kvscale.kernels._utils import (
-    MAX_ARRIVAL_COUNTERS,
-    arrival_counters,
     dot_precision,
     is_interpreter,
     is_power_of_2,
@@ -74,11 +73,6 @@ LOG2E = 1.4426950408889634
 ROPE_BEFORE_LOOP = 1
 ROPE_IN_LOOP = 2
 USE_ROPE_IN_LOOP = os.environ.get("KVSCALE_ROPE_IN_LOOP", "0") == "1"
-
-# Split-KV partials merged by each (sequence, kv head) group's last program to finish (an
-# arrival counter, ``_utils.arrival_counters``) instead of by a second kernel: a launch
-# less a layer (NOTES e61), where ``KVSCALE_DECODE_MERGE=1`` (off until measured on a GPU).
-USE_MERGE_IN_KERNEL = os.environ.get("KVSCALE_DECODE_MERGE", "0") == "1"
 
 # Split-KV policy (see choose_num_splits).
 MIN_TOKENS_PER_SPLIT = 256
@@ -194,7 +188,6 @@ def _paged_decode_kernel(
     v_new_ptr,
     cos_sin_ptr,
     slot_ptr,
-    counters_ptr,
     scale_log2e,
     num_seqs,
     num_heads,
@@ -224,8 +217,6 @@ def _paged_decode_kernel(
     KV_FP8: tl.constexpr,
     KV_F16: tl.constexpr,
     ROPE: tl.constexpr,
-    MERGE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -344,17 +335,6 @@ def _paged_decode_kernel(
         tl.store(m_ptr + part, m_i, mask=row_mask)
         tl.store(l_ptr + part, l_i, mask=row_mask)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-        if MERGE:  # the group's last program to arrive merges every split's partials
-            counter = counters_ptr + b * tl.num_programs(1) + g
-            tl.debug_barrier()  # every thread's partial is written before the release
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
-            if ticket == NUM_SPLITS - 1:
-                tl.debug_barrier()
-                for i in tl.static_range(QG):
-                    _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, b, g * QG + i, num_seqs,
-                                  num_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS,
-                                  SPLITS_PAD)  # fmt: skip
-                tl.atomic_xchg(counter, 0)  # zero for the next launch
     else:
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / safe_l[:, None], 0.0)
@@ -363,38 +343,6 @@ def _paged_decode_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=out_mask,
         )
-
-
-@triton.jit
-def _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, b, h, num_seqs, num_heads, stride_ob,
-                  stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr):  # fmt: skip
-    """Head ``h`` of sequence ``b``: its ``NUM_SPLITS`` partial (max, sum, acc) merged and
-    stored to ``out``. The partials are read from L2 (``.cg``): other programs wrote them."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = (offs_s < NUM_SPLITS) & (b < num_seqs)
-    d_mask = offs_d < HEAD_DIM
-    part = (b * num_heads + h) * NUM_SPLITS + offs_s
-    m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(l_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
-    acc = tl.load(
-        acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    m_max = tl.max(m, 0)
-    has = m > float("-inf")
-    w = tl.where(has, tl.exp2(tl.where(has, m, 0.0) - tl.where(has, m_max, 0.0)), 0.0)
-    den = tl.sum(w * l_s, 0)
-    num = tl.sum(w[:, None] * acc, 0)
-    o = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
-    tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + offs_d,
-        o.to(out_ptr.dtype.element_ty),
-        mask=d_mask & (b < num_seqs),
-    )
 
 
 # Sizes that change every step are not specialized on, so no step recompiles.
@@ -412,8 +360,31 @@ def _split_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
-    _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), tl.program_id(1), num_seqs,
-                  num_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS, SPLITS_PAD)  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = (offs_s < NUM_SPLITS) & (b < num_seqs)
+    d_mask = offs_d < HEAD_DIM
+    part = (b * num_heads + h) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(
+        acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)
+    has = m > float("-inf")
+    w = tl.where(has, tl.exp2(tl.where(has, m, 0.0) - tl.where(has, m_max, 0.0)), 0.0)
+    den = tl.sum(w * l_s, 0)
+    num = tl.sum(w[:, None] * acc, 0)
+    o = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d_mask & (b < num_seqs),
+    )
 
 
 def _check(
@@ -545,9 +516,6 @@ def paged_decode_attention(
         rope_ptrs = (rope.positions, rope.k, rope.v, rope.cos_sin_cache, rope.slot_mapping)
         rope_sizes = (*rope.k.stride()[:2], *rope.v.stride()[:2],
                       rope.cos_sin_cache.stride(0), rope.cos_sin_cache.shape[0])
-    merge = split and USE_MERGE_IN_KERNEL and batch * num_kv_heads <= MAX_ARRIVAL_COUNTERS
-    counters = arrival_counters(q.device) if merge else seq_lens  # unread without MERGE
-    splits_pad = max(2, next_power_of_2(num_splits))
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -561,7 +529,6 @@ def paged_decode_attention(
         k_scale if kv_fp8 else out,
         v_scale if kv_fp8 else out,
         *rope_ptrs,
-        counters,
         scale * LOG2E,
         batch,
         num_heads,
@@ -586,12 +553,10 @@ def paged_decode_attention(
         KV_FP8=kv_fp8,
         KV_F16=kv_fp8 and q.dtype in (torch.float16, torch.bfloat16),
         ROPE=rope_mode,
-        MERGE=merge,
-        SPLITS_PAD=splits_pad,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if split and not merge:
+    if split:
         _split_reduce_kernel[(batch, num_heads)](
             m_buf,
             l_buf,
@@ -603,7 +568,7 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            SPLITS_PAD=splits_pad,
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)),
             num_warps=4,
         )
     return out

@@ -16,18 +16,17 @@ POINTERS = {
     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
     "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "k_scale_ptr": "*fp32",
     "v_scale_ptr": "*fp32", "pos_ptr": "*i64", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
-    "cos_sin_ptr": "*fp32", "slot_ptr": "*i64", "counters_ptr": "*i32",
+    "cos_sin_ptr": "*fp32", "slot_ptr": "*i64",
 }  # fmt: skip
 UNALIGNED = ("num_seqs", "stride_bt", "scale_log2e")  # not specialized, or a float
 
 
-def _ptx(rope: int, split: bool, fp8: bool, merge: bool = False) -> str:
+def _ptx(rope: int, split: bool, fp8: bool) -> str:
     from kvscale.kernels.paged_decode import _paged_decode_kernel
 
     consts = {"QG": 4, "QG_PAD": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
               "NUM_SPLITS": 8 if split else 1, "SPLIT": split, "DOT_PREC": "ieee",
-              "KV_FP8": fp8, "KV_F16": fp8, "ROPE": rope, "MERGE": merge,
-              "SPLITS_PAD": 8}  # fmt: skip
+              "KV_FP8": fp8, "KV_F16": fp8, "ROPE": rope}  # fmt: skip
     types = {n: "fp32" if n == "scale_log2e" else "i32" for n in _paged_decode_kernel.arg_names}
     types |= POINTERS
     if fp8:
@@ -48,13 +47,3 @@ def test_the_rope_decode_kernel_compiles_with_its_barrier(split: bool, fp8: bool
     # and the rotary table's loads are asynchronous copies beside the first K tile's
     in_loop = _ptx(ROPE_IN_LOOP, split, fp8)
     assert in_loop.count("cp.async.ca") > plain.count("cp.async.ca")
-
-
-@pytest.mark.parametrize("rope", [0, 2])
-def test_the_merging_decode_kernel_compiles_with_its_ticket(rope: int) -> None:
-    """``MERGE``: the partials' stores, a barrier, the acquire-release ticket; the merge
-    reads the partials from L2 (``ld.global.cg``), not through L1."""
-    ptx = _ptx(rope, True, False, merge=True)
-    plain = _ptx(rope, True, False)
-    assert "atom.global.gpu.acq_rel.add" in ptx and "atom." not in plain
-    assert "ld.global.cg" in ptx and "ld.global.cg" not in plain
