@@ -41,8 +41,9 @@ counter), so CUDA graphs replay it as is.
 Every rank must launch the same sequence of row counts (tensor-parallel ranks run the
 same steps); a rank that never arrives leaves the others waiting, as NCCL would.
 
-Flagged words (``LL``, NCCL's LL protocol in kind; sums of up to ``LL_MAX_ROWS`` rows with
-``KVSCALE_ALLREDUCE_LL=1``, off until measured): a third region of the buffer, ``[2,
+Flagged words (``LL``, NCCL's LL protocol in kind; sums of up to ``LL_MAX_ROWS`` rows; on
+unless ``KVSCALE_ALLREDUCE_LL=0``: TP=2 C 2.986 -> 2.950 ms on 2 x H200, NOTES "e61 and e62
+measured"): a third region of the buffer, ``[2,
 ll_rows, W, H * itemsize / 4]`` int64, holds each row as 4-byte words, each stored with
 the launch's epoch in the other 4 bytes of an 8-byte word (written and read whole). Steps
 2-3 become: write the flagged words of row r into ``ll_j[slot, r, i]``, then poll the
@@ -78,7 +79,7 @@ SLOTS = 2
 # writer sends no flag and waits on no system-scope fence. Twice the bytes of the row on
 # the link, so only for small sums (NOTES e62).
 LL_MAX_ROWS = 16
-USE_LL = os.environ.get("KVSCALE_ALLREDUCE_LL", "0") == "1"  # off until measured on GPUs
+USE_LL = os.environ.get("KVSCALE_ALLREDUCE_LL", "1") == "1"  # NOTES "e61 and e62 measured"
 
 
 def data_bytes_per_row(hidden: int, dtype: torch.dtype, world_size: int) -> int:

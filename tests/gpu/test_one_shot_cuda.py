@@ -88,7 +88,7 @@ def _check(rank: int, port: int, dtype: torch.dtype) -> list[str]:
             bad.append(f"add + norm of {rows} rows")
 
     # launch counts about to wrap (int32), row counts mixing the protocols (flagged words
-    # for small sums with KVSCALE_ALLREDUCE_LL=1, flags above): still NCCL's bits
+    # for small sums unless KVSCALE_ALLREDUCE_LL=0, flags above): still NCCL's bits
     torch.cuda.synchronize()
     dist.barrier()
     comm.uses.fill_(2**31 - 3)
