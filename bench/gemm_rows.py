@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -154,6 +155,11 @@ def copy_gb_per_s() -> float:
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3) / 1e9
 
 
+# PyTorch's switches of the cuBLAS path (read when CUDA starts): the library for bf16 GEMMs and
+# the workspaces that split-K kernels keep their partial products in
+BLAS_ENV = ("TORCH_BLAS_PREFER_CUBLASLT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
+
+
 def run_meta(**extra: Any) -> dict[str, Any]:
     """The GPU, torch, the date, the copy bandwidth measured now and the L2's size, with
     ``extra``; printed as one JSON line. Exits without a CUDA GPU."""
@@ -166,6 +172,8 @@ def run_meta(**extra: Any) -> dict[str, Any]:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "copy_gb_per_s": copy_gb_per_s(),
         "l2_bytes": props.L2_cache_size,
+        "blas_backend": str(torch.backends.cuda.preferred_blas_library()),
+        "blas_env": {k: os.environ[k] for k in BLAS_ENV if k in os.environ},
         **extra,
     }
     print(json.dumps(meta), flush=True)

@@ -1111,6 +1111,43 @@ plan_r73() {
   done
 }
 
+# r74 (nvidia-h200, ~12 minutes; NOTES e65): cuBLAS's path for the bf16 GEMMs under PyTorch's
+# switches (default; cuBLASLt preferred; no cuBLAS workspace; both): each 8B GEMM at 1-256
+# rows (bench/gemm_rows.py, its kernels by name), then C alternated twice and A once under
+# each, an engine a process; the paged decode kernel tests natively beside the checkpoint's
+# writing (the in-kernel merge removed).
+BLAS_SWITCHES=(
+  "default:"
+  "lt:TORCH_BLAS_PREFER_CUBLASLT=1"
+  "nows:CUBLAS_WORKSPACE_CONFIG=:0:0"
+  "lt-nows:TORCH_BLAS_PREFER_CUBLASLT=1 CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0"
+)
+plan_r74() {
+  facts
+  ckpt_write 150 &
+  step tests-decode 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_paged_decode.py
+  wait
+  local sw name vars round
+  for sw in "${BLAS_SWITCHES[@]}"; do
+    name=${sw%%:*} vars=${sw#*:}
+    # shellcheck disable=SC2086  # vars: VAR=VALUE words
+    step "gemm-$name" 150 env $vars python3 bench/gemm_rows.py --out-dir "$RES/gemm-$name" \
+      --rows 1,4,64,256 --variants linear
+  done
+  for round in 1 2; do
+    for sw in "${BLAS_SWITCHES[@]}"; do
+      name=${sw%%:*} vars=${sw#*:}
+      # shellcheck disable=SC2086
+      run_phase "c-$name-$round" 150 c $vars
+    done
+  done
+  for sw in "${BLAS_SWITCHES[@]}"; do
+    name=${sw%%:*} vars=${sw#*:}
+    # shellcheck disable=SC2086
+    run_phase "a-$name" 150 a $vars
+  done
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
