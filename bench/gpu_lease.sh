@@ -1148,6 +1148,19 @@ plan_r74() {
   done
 }
 
+# r75 (nvidia-h200, ~5 minutes; NOTES "e65 measured"): cuBLASLt preferred by the worker
+# (now the default): the engine and speculative GPU tests as shipped beside the checkpoint's
+# writing; A with TORCH_BLAS_PREFER_CUBLASLT=0 (cuBLAS, as before) / HEAD; C at HEAD.
+plan_r75() {
+  facts
+  ckpt_write 150 &
+  step tests-gpu 240 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
+  wait
+  run_phase a-cublas 150 a TORCH_BLAS_PREFER_CUBLASLT=0
+  run_phase a-head 150 a
+  run_phase c-head 150 c
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -291,3 +291,18 @@ def test_validation_names_the_field_and_the_reason() -> None:
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(top_p=0)
     assert e.value.param == "top_p"
+
+
+def test_the_cublaslt_preference_leaves_the_cpu_and_a_user_s_choice_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dense method's GEMMs go through cuBLASLt on CUDA (NOTES e65; the GPU test checks
+    the switch is set); never on the CPU, nor over ``TORCH_BLAS_PREFER_CUBLASLT``."""
+    from kvscale.server.quantization.dense import prefer_cublaslt
+
+    before = torch.backends.cuda.preferred_blas_library()
+    monkeypatch.delenv("TORCH_BLAS_PREFER_CUBLASLT", raising=False)
+    assert prefer_cublaslt(torch.device("cpu")) is False
+    monkeypatch.setenv("TORCH_BLAS_PREFER_CUBLASLT", "0")
+    assert prefer_cublaslt(torch.device("cuda")) is False
+    assert torch.backends.cuda.preferred_blas_library() == before

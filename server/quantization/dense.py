@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
+
+BLAS_ENV = "TORCH_BLAS_PREFER_CUBLASLT"  # PyTorch's own switch: a user's choice stands
+
+
+def prefer_cublaslt(device: torch.device) -> bool:
+    """Routes this process's CUDA GEMMs (``F.linear``) through cuBLASLt's heuristic instead
+    of cuBLAS's, unless ``TORCH_BLAS_PREFER_CUBLASLT`` is set; True if it did. An 8B
+    batch-1 decode step took 0.056 ms less on an H200, alternated twice (NOTES e65
+    measured)."""
+    if device.type != "cuda" or BLAS_ENV in os.environ:
+        return False
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    return True
 
 
 class DenseLinearMethod(LinearMethod):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -99,6 +100,8 @@ def test_kv_pool_sized_from_gpu_memory(checkpoint_factory: Callable[..., Path]) 
     _free, total = torch.cuda.mem_get_info()
     pool = llm.engine.worker.num_kv_blocks * llm.engine.worker.bytes_per_block
     assert 0.3 * total < pool < 0.5 * total
+    if "TORCH_BLAS_PREFER_CUBLASLT" not in os.environ:  # the worker's choice (NOTES e65)
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
     out = llm.generate(PROMPTS[:2], GREEDY)
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
 
