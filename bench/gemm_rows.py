@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscale.kernels.testing import LLAMA_8B_LINEARS
+from kvscale.server.quantization.dense import BLAS_ENV
 
 HIDDEN, VOCAB = 4096, 128256
 LAYERS = (  # (name, N, K) of the 8B model's GEMMs: y[M, N] = x[M, K] @ w[N, K].T
@@ -153,11 +154,6 @@ def copy_gb_per_s() -> float:
     end.record()
     end.synchronize()
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3) / 1e9
-
-
-# PyTorch's switches of the cuBLAS path (read when CUDA starts): the library for bf16 GEMMs and
-# the workspaces that split-K kernels keep their partial products in
-BLAS_ENV = ("TORCH_BLAS_PREFER_CUBLASLT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
 
 
 def run_meta(**extra: Any) -> dict[str, Any]:

@@ -297,12 +297,16 @@ def test_the_cublaslt_preference_leaves_the_cpu_and_a_user_s_choice_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The dense method's GEMMs go through cuBLASLt on CUDA (NOTES e65; the GPU test checks
-    the switch is set); never on the CPU, nor over ``TORCH_BLAS_PREFER_CUBLASLT``."""
-    from kvscale.server.quantization.dense import prefer_cublaslt
+    the switch is set); never on the CPU, nor where a user set one of PyTorch's BLAS
+    switches."""
+    from kvscale.server.quantization.dense import BLAS_ENV, prefer_cublaslt
 
     before = torch.backends.cuda.preferred_blas_library()
-    monkeypatch.delenv("TORCH_BLAS_PREFER_CUBLASLT", raising=False)
+    for key in BLAS_ENV:
+        monkeypatch.delenv(key, raising=False)
     assert prefer_cublaslt(torch.device("cpu")) is False
-    monkeypatch.setenv("TORCH_BLAS_PREFER_CUBLASLT", "0")
-    assert prefer_cublaslt(torch.device("cuda")) is False
+    for key, value in zip(BLAS_ENV, ("0", ":4096:8", "1024"), strict=True):
+        monkeypatch.setenv(key, value)
+        assert prefer_cublaslt(torch.device("cuda")) is False
+        monkeypatch.delenv(key)
     assert torch.backends.cuda.preferred_blas_library() == before

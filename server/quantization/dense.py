@@ -10,15 +10,17 @@ from torch import nn
 
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 
-BLAS_ENV = "TORCH_BLAS_PREFER_CUBLASLT"  # PyTorch's own switch: a user's choice stands
+# PyTorch's switches of the cuBLAS path, read when CUDA starts: where a user set one, their
+# choice stands (with both workspaces at 0, cuBLASLt's calls failed: "OOM trying to
+# allocate workspace for cublaslt", r74)
+BLAS_ENV = ("TORCH_BLAS_PREFER_CUBLASLT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
 
 
 def prefer_cublaslt(device: torch.device) -> bool:
     """Routes this process's CUDA GEMMs (``F.linear``) through cuBLASLt's heuristic instead
-    of cuBLAS's, unless ``TORCH_BLAS_PREFER_CUBLASLT`` is set; True if it did. An 8B
-    batch-1 decode step took 0.056 ms less on an H200, alternated twice (NOTES e65
-    measured)."""
-    if device.type != "cuda" or BLAS_ENV in os.environ:
+    of cuBLAS's, unless one of ``BLAS_ENV`` is set; True if it did. An 8B batch-1 decode
+    step took 0.056 ms less on an H200, alternated twice (NOTES e65 measured)."""
+    if device.type != "cuda" or any(k in os.environ for k in BLAS_ENV):
         return False
     torch.backends.cuda.preferred_blas_library("cublaslt")
     return True
