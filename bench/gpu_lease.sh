@@ -1161,6 +1161,34 @@ plan_r75() {
   run_phase c-head 150 c
 }
 
+# r76 (nvidia-h200-x2, ~13 minutes; what r73-r75 left owed, NOTES "e65 measured"): GPU 0
+# writes the checkpoint, then runs A twice as the machine's first A's (the warm-up that now
+# prefills every prompt: the two should agree) and C's step by kernel under cuBLASLt (HEAD)
+# and cuBLAS, while GPU 1 runs the int4, draft, piecewise and structured GPU tests with
+# cuBLASLt preferred; then the TP and one-shot GPU tests as shipped (flagged words and
+# cuBLASLt on); C alternated twice at TP=2 and once at TP=1, HEAD / cuBLAS.
+plan_r76() {
+  facts
+  (export CUDA_VISIBLE_DEVICES=0
+   ckpt_write 150
+   run_phase a-first-1 150 a
+   run_phase a-first-2 150 a
+   run_phase kernels-head 120 decode-kernels
+   run_phase kernels-cublas 120 decode-kernels TORCH_BLAS_PREFER_CUBLASLT=0) &
+  (export CUDA_VISIBLE_DEVICES=1
+   step tests-gpu 420 "${PT[@]}" tests/gpu/test_int4_cuda.py tests/gpu/test_draft_cuda.py \
+     tests/gpu/test_piecewise_cuda.py tests/gpu/test_structured_cuda.py) &
+  wait
+  step tests-tp 330 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py tests/gpu/test_one_shot_cuda.py
+  local round
+  for round in 1 2; do
+    run_phase "c-tp2-head-$round" 200 c-tp2
+    run_phase "c-tp2-cublas-$round" 200 c-tp2 TORCH_BLAS_PREFER_CUBLASLT=0
+  done
+  run_phase c-tp1-head 150 c
+  run_phase c-tp1-cublas 150 c TORCH_BLAS_PREFER_CUBLASLT=0
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
