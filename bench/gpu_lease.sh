@@ -1189,6 +1189,24 @@ plan_r76() {
   run_phase c-tp1-cublas 150 c TORCH_BLAS_PREFER_CUBLASLT=0
 }
 
+# r77 (one H100, nvidia-h100-x1 where lent, ~11 minutes; issue 23's figures at HEAD, none
+# measured on an H100 since r71): A three times first (the warm-up that now prefills every
+# prompt), C HEAD (cuBLASLt) / cuBLAS alternated twice, C's step by kernel, D at c=256.
+plan_r77() {
+  facts
+  ckpt_write 150
+  local round
+  for round in 1 2 3; do
+    run_phase "a-head-$round" 150 a
+  done
+  for round in 1 2; do
+    run_phase "c-head-$round" 150 c
+    run_phase "c-cublas-$round" 150 c TORCH_BLAS_PREFER_CUBLASLT=0
+  done
+  run_phase kernels-head 120 decode-kernels
+  bench serve 300 serve --concurrency 256
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
