@@ -18,9 +18,10 @@ BLAS_ENV = ("TORCH_BLAS_PREFER_CUBLASLT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_W
 
 def prefer_cublaslt(device: torch.device) -> bool:
     """Routes this process's CUDA GEMMs (``F.linear``) through cuBLASLt's heuristic instead
-    of cuBLAS's, unless one of ``BLAS_ENV`` is set; True if it did. An 8B batch-1 decode
-    step took 0.056 ms less on an H200, alternated twice (NOTES e65 measured)."""
-    if device.type != "cuda" or any(k in os.environ for k in BLAS_ENV):
+    of cuBLAS's (NVIDIA only), unless one of ``BLAS_ENV`` is set; True if it did. An 8B
+    batch-1 decode step took 0.056 ms less on an H200, alternated twice (NOTES e65
+    measured)."""
+    if device.type != "cuda" or torch.version.hip or any(k in os.environ for k in BLAS_ENV):
         return False
     torch.backends.cuda.preferred_blas_library("cublaslt")
     return True
