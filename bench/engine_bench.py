@@ -150,6 +150,7 @@ def _sibling(name: str) -> Any:
 
 
 spec_bench = _sibling("spec_bench")
+kernel_trace = _sibling("kernel_trace")
 
 
 # ---------------------------------------------------------------- pure arithmetic
@@ -1087,10 +1088,12 @@ def kernel_table(
     kernels: list[tuple[str, float]], steps: int, top: int = 25
 ) -> list[dict[str, Any]]:
     """CUDA kernels over ``steps`` steps (``(name, microseconds)``) -> the ``top`` kernel
-    names by time: launches and microseconds per step, names cut to 90 characters."""
+    names by time: launches and microseconds per step, names cut to 90 characters (a
+    launch grid after them, ``kernel_trace.label``'s, is kept)."""
     by: dict[str, list[float]] = {}
     for name, us in kernels:
-        acc = by.setdefault(name[:90], [0.0, 0.0])
+        base, grid, shape = name.partition(" [grid ")
+        acc = by.setdefault(base[:90] + grid + shape, [0.0, 0.0])
         acc[0] += 1
         acc[1] += us
     rows = [
@@ -1106,9 +1109,8 @@ def _profile_decode(
     """Decode-only steps (CUDA-graph replays) at each batch size, after prompts of
     ``prompt_len`` tokens: the median synchronized step time, then the same steps under
     torch.profiler: every CUDA kernel of this process (rank 0's with tensor
-    parallelism)."""
+    parallelism), with its launch grid (``kernel_trace``)."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from kvscale.server import SamplingParams
@@ -1135,11 +1137,7 @@ def _profile_decode(
             torch.cuda.synchronize()
         while eng.has_unfinished_requests():
             eng.step()
-        kernels = [
-            (e.name, float(e.time_range.elapsed_us()))
-            for e in prof.events()
-            if e.device_type == DeviceType.CUDA
-        ]
+        kernels = kernel_trace.cuda_kernels(prof)
         res[str(batch)] = {"step_ms": statistics.median(times), "kernels": kernels}
     return res
 

@@ -30,6 +30,7 @@ import datetime as dt
 import json
 import os
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ import torch.nn.functional as F
 
 from kvscale.kernels.testing import LLAMA_8B_LINEARS
 from kvscale.server.quantization.dense import BLAS_ENV
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_trace  # bench/ is not a package
 
 HIDDEN, VOCAB = 4096, 128256
 LAYERS = (  # (name, N, K) of the 8B model's GEMMs: y[M, N] = x[M, K] @ w[N, K].T
@@ -133,14 +137,14 @@ def time_variant(fn: Variant, x: torch.Tensor, weights: list[torch.Tensor]) -> d
 
 
 def kernels_of(fn: Variant, x: torch.Tensor, w: torch.Tensor) -> list[str]:
-    """The CUDA kernels one eager call launches, by name (cut to 80 characters)."""
-    from torch.autograd import DeviceType
+    """The CUDA kernels one eager call launches, by name and launch grid
+    (``kernel_trace.label``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(x, w)
         torch.cuda.synchronize()
-    return [e.name[:80] for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return [name for name, _ in kernel_trace.cuda_kernels(prof)]
 
 
 def copy_gb_per_s() -> float:

@@ -1,0 +1,42 @@
+"""The CUDA work of a ``torch.profiler`` run with each kernel's launch grid.
+
+The profiler's events carry a kernel's name and time but not its launch shape, and one
+cuBLAS kernel name can run with different grids (another split-K factor or tile count:
+NOTES e65, where cuBLAS and cuBLASLt launched kernels of the same names at different
+speeds). Kineto's Chrome trace has the grid in each kernel event's ``args``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Chrome-trace categories of the device's work: kernels, copies, fills
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+NAME_CHARS = 90
+
+
+def label(name: str, grid: list[int] | None) -> str:
+    """``name`` cut to ``NAME_CHARS`` characters, then `` [grid X,Y,Z]`` where known."""
+    if not grid:
+        return name[:NAME_CHARS]
+    return f"{name[:NAME_CHARS]} [grid {','.join(str(g) for g in grid)}]"
+
+
+def kernels_from_trace(trace: dict[str, Any]) -> list[tuple[str, float]]:
+    """``(label, microseconds)`` of each device event of a Chrome trace, in trace order."""
+    return [
+        (label(e["name"], e.get("args", {}).get("grid")), float(e.get("dur", 0.0)))
+        for e in trace.get("traceEvents", [])
+        if e.get("cat") in DEVICE_CATEGORIES
+    ]
+
+
+def cuda_kernels(prof: Any) -> list[tuple[str, float]]:
+    """:func:`kernels_from_trace` of a finished ``torch.profiler.profile``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return kernels_from_trace(json.loads(path.read_text()))
