@@ -1088,12 +1088,11 @@ def kernel_table(
     kernels: list[tuple[str, float]], steps: int, top: int = 25
 ) -> list[dict[str, Any]]:
     """CUDA kernels over ``steps`` steps (``(name, microseconds)``) -> the ``top`` kernel
-    names by time: launches and microseconds per step, names cut to 90 characters (a
-    launch grid after them, ``kernel_trace.label``'s, is kept)."""
+    names by time: launches and microseconds per step, names cut by
+    ``kernel_trace.short`` (to 90 characters, a launch grid kept)."""
     by: dict[str, list[float]] = {}
     for name, us in kernels:
-        base, grid, shape = name.partition(" [grid ")
-        acc = by.setdefault(base[:90] + grid + shape, [0.0, 0.0])
+        acc = by.setdefault(kernel_trace.short(name), [0.0, 0.0])
         acc[0] += 1
         acc[1] += us
     rows = [

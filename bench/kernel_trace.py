@@ -16,13 +16,21 @@ from typing import Any
 # Chrome-trace categories of the device's work: kernels, copies, fills
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 NAME_CHARS = 90
+GRID = " [grid "
+
+
+def short(name: str) -> str:
+    """A kernel's name cut to ``NAME_CHARS`` characters; a launch grid after it, as
+    :func:`label` writes it, is kept."""
+    base, grid, shape = name.partition(GRID)
+    return base[:NAME_CHARS] + grid + shape
 
 
 def label(name: str, grid: list[int] | None) -> str:
     """``name`` cut to ``NAME_CHARS`` characters, then `` [grid X,Y,Z]`` where known."""
     if not grid:
-        return name[:NAME_CHARS]
-    return f"{name[:NAME_CHARS]} [grid {','.join(str(g) for g in grid)}]"
+        return short(name)
+    return f"{short(name)}{GRID}{','.join(str(g) for g in grid)}]"
 
 
 def kernels_from_trace(trace: dict[str, Any]) -> list[tuple[str, float]]:
