@@ -44,14 +44,13 @@ same steps); a rank that never arrives leaves the others waiting, as NCCL would.
 Flagged words (``LL``, NCCL's LL protocol in kind; sums of up to ``LL_MAX_ROWS`` rows; on
 unless ``KVSCALE_ALLREDUCE_LL=0``: TP=2 C 2.986 -> 2.950 ms on 2 x H200, NOTES "e61 and e62
 measured"): a third region of the buffer, ``[2, ll_rows, W, H * itemsize / 4]`` int64,
-holds each row as 4-byte words, each stored with the launch's epoch in the other 4 bytes
-of an 8-byte word (written and read whole). Steps 2-3 become: write the flagged words of
-row r into ``ll_j[slot, r, i]``, then poll the
-words in ``ll_i[slot, r, j]`` (volatile loads) until every one carries ``epoch``. No flag,
-no release fence that waits for the row's writes to land, no separate load after the
-wait: the data is what is polled. Twice the row's bytes cross the link, hence small sums
-only. The two-slot argument above holds as is (a slot's words carry this epoch or one two
-launches old).
+holds each row as 4-byte words, each stored with the launch's epoch in the other 4 bytes of
+an 8-byte word (written and read whole). Steps 2-3 become: write the flagged words of row r
+into ``ll_j[slot, r, i]``, then poll the words in ``ll_i[slot, r, j]`` (volatile loads)
+until every one carries ``epoch``. No flag, no release fence that waits for the row's
+writes to land, no separate load after the wait: the data is what is polled. Twice the
+row's bytes cross the link, hence small sums only. The two-slot argument above holds as is
+(a slot's words carry this epoch or one two launches old).
 
 r18/r19 (2 x H200) ran the earlier *pull* version of this kernel (each rank copied its
 row into its own buffer, compare-and-swapped a flag in each peer's memory and read the
