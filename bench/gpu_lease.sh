@@ -182,6 +182,30 @@ plan_r77() {
   bench serve 300 serve --concurrency 256
 }
 
+# r78 (one H200, ~8 minutes; NOTES e66): cuBLASLt (HEAD) against cuBLAS at B's and D's
+# sizes: the ours phase (C, A, B) alternated twice, D at c=256 HEAD / cuBLAS / HEAD (a
+# server a step), A's decode step by kernel under each.
+serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAME
+  local name=$1
+  shift
+  step "$name" 150 env "$@" python3 bench/engine_bench.py --out-dir "$RES/$name" \
+    --ckpt "$CKPT" --phases serve --concurrency 256
+}
+
+plan_r78() {
+  facts
+  ckpt_write 150
+  run_phase ours-head-1 150 ours
+  run_phase ours-cublas-1 150 ours TORCH_BLAS_PREFER_CUBLASLT=0
+  serve_d d-head-1
+  serve_d d-cublas-1 TORCH_BLAS_PREFER_CUBLASLT=0
+  run_phase ours-head-2 150 ours
+  run_phase ours-cublas-2 150 ours TORCH_BLAS_PREFER_CUBLASLT=0
+  serve_d d-head-2
+  run_phase kernels-a-head 120 decode-kernels-a
+  run_phase kernels-a-cublas 120 decode-kernels-a TORCH_BLAS_PREFER_CUBLASLT=0
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
