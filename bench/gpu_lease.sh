@@ -206,6 +206,17 @@ plan_r78() {
   run_phase kernels-a-cublas 120 decode-kernels-a TORCH_BLAS_PREFER_CUBLASLT=0
 }
 
+# r79 (one H200, ~3 minutes of the session's last device time; NOTES e66): the decode
+# graphs of up to 64 rows under cuBLASLt, every other step under cuBLAS: the engine's GPU
+# tests (graphs against eager), then C, A and B once.
+plan_r79() {
+  facts
+  ckpt_write 150 &
+  step tests-engine 200 "${PT[@]}" tests/gpu/test_engine_cuda.py
+  wait
+  run_phase ours-split 150 ours
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

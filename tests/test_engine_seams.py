@@ -293,20 +293,30 @@ def test_validation_names_the_field_and_the_reason() -> None:
     assert e.value.param == "top_p"
 
 
-def test_the_cublaslt_preference_leaves_the_cpu_and_a_user_s_choice_alone(
+def test_cublaslt_only_for_small_decode_graphs_on_cuda_and_never_against_a_user_s_choice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The dense method's GEMMs go through cuBLASLt on CUDA (NOTES e65; the GPU test checks
-    the switch is set); never on the CPU, nor where a user set one of PyTorch's BLAS
-    switches."""
-    from kvscale.server.quantization.dense import BLAS_ENV, prefer_cublaslt
+    """Decode graphs of up to 64 rows capture cuBLASLt's GEMMs on NVIDIA CUDA (NOTES e66);
+    larger ones, the CPU, and a process where a user set one of PyTorch's BLAS switches
+    keep the process's choice, which the capture block leaves as it found it."""
+    from kvscale.server.quantization import dense
 
-    before = torch.backends.cuda.preferred_blas_library()
-    for key in BLAS_ENV:
+    for key in dense.BLAS_ENV:
         monkeypatch.delenv(key, raising=False)
-    assert prefer_cublaslt(torch.device("cpu")) is False
-    for key, value in zip(BLAS_ENV, ("0", ":4096:8", "1024"), strict=True):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    limit = dense.CUBLASLT_MAX_ROWS
+    assert limit == 64
+    assert dense.capture_with_cublaslt(cuda, 1) and dense.capture_with_cublaslt(cuda, limit)
+    assert not dense.capture_with_cublaslt(cuda, limit + 1)
+    assert not dense.capture_with_cublaslt(cpu, 1)
+    for key, value in zip(dense.BLAS_ENV, ("0", ":4096:8", "1024"), strict=True):
         monkeypatch.setenv(key, value)
-        assert prefer_cublaslt(torch.device("cuda")) is False
+        assert not dense.capture_with_cublaslt(cuda, 1)
         monkeypatch.delenv(key)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not dense.capture_with_cublaslt(cuda, 1)
+    monkeypatch.undo()
+    before = torch.backends.cuda.preferred_blas_library()
+    with dense.blas_for_capture(cpu, 1), dense.blas_for_capture(cuda, limit + 1):
+        assert torch.backends.cuda.preferred_blas_library() == before
     assert torch.backends.cuda.preferred_blas_library() == before

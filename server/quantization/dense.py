@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -14,17 +16,38 @@ from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 # choice stands (with both workspaces at 0, cuBLASLt's calls failed: "OOM trying to
 # allocate workspace for cublaslt", r74)
 BLAS_ENV = ("TORCH_BLAS_PREFER_CUBLASLT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
+# Decode graphs of at most this many rows capture cuBLASLt's GEMM kernels; larger graphs
+# and every eager or piecewise step keep cuBLAS's (an H200, NOTES e66 measured: cuBLASLt's
+# decode step kernels 1% faster at one row and 2.9% at 64, 2% slower at 256; eager mixed
+# steps 4-13% slower under it)
+CUBLASLT_MAX_ROWS = 64
 
 
-def prefer_cublaslt(device: torch.device) -> bool:
-    """Routes this process's CUDA GEMMs (``F.linear``) through cuBLASLt's heuristic instead
-    of cuBLAS's (NVIDIA only), unless one of ``BLAS_ENV`` is set; True if it did. An 8B
-    batch-1 decode step took 0.056 ms less on an H200, alternated twice (NOTES e65
-    measured)."""
-    if device.type != "cuda" or torch.version.hip or any(k in os.environ for k in BLAS_ENV):
-        return False
+def capture_with_cublaslt(device: torch.device, rows: int) -> bool:
+    """Whether a CUDA graph of ``rows`` decode rows is captured with cuBLASLt's kernels:
+    NVIDIA CUDA, ``rows <= CUBLASLT_MAX_ROWS``, and none of ``BLAS_ENV`` set."""
+    return (
+        device.type == "cuda"
+        and not torch.version.hip
+        and rows <= CUBLASLT_MAX_ROWS
+        and not any(k in os.environ for k in BLAS_ENV)
+    )
+
+
+@contextmanager
+def blas_for_capture(device: torch.device, rows: int) -> Iterator[None]:
+    """Routes the CUDA GEMMs (``F.linear``) inside the block through cuBLASLt's heuristic
+    where ``capture_with_cublaslt``, restoring the process's choice after: a graph keeps
+    the kernels it captured, and every other step runs under the process's choice."""
+    if not capture_with_cublaslt(device, rows):
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library("cublaslt")
-    return True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 class DenseLinearMethod(LinearMethod):

@@ -24,6 +24,7 @@ from kvscale.kernels.decode_inputs import load_decode_inputs
 from kvscale.server.attention.backend import AttentionBackend
 from kvscale.server.attention.forward_context import forward_context
 from kvscale.server.attention.metadata import AttentionMetadata
+from kvscale.server.quantization.dense import blas_for_capture
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):
-                self._forward(bs)  # warm-up: compiles kernels outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bs] = self._forward(bs)
+                with blas_for_capture(self.last_tokens.device, bs):
+                    self._forward(bs)  # warm-up: compiles kernels outside the capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.logits[bs] = self._forward(bs)
                 self.graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

@@ -45,7 +45,6 @@ from kvscale.server.layers.sampler import (
 from kvscale.server.models.loader import load_model
 from kvscale.server.parallel import SINGLE, ParallelState
 from kvscale.server.quantization import get_quantization
-from kvscale.server.quantization.dense import prefer_cublaslt
 from kvscale.server.spec_decode.rejection_sampler import (
     RejectionOutput,
     greedy_verify,
@@ -188,7 +187,6 @@ class Worker:
         # Compiled: Inductor fuses the elementwise references itself; eager on CUDA: the
         # hand-written Triton kernels.
         self.use_kernels = use_kernels = self.backend.name == "triton" and not eng.compile
-        prefer_cublaslt(device)
         # The routing while this worker builds (profiling, calibration, capture); each
         # step sets it again (see forward): another engine in this process may change it.
         ops.use_kernels(use_kernels)
