@@ -136,55 +136,6 @@ plan_single() {
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-# r76 (nvidia-h200-x2, ~13 minutes; what r73-r75 left owed, NOTES "e65 measured"): GPU 0
-# writes the checkpoint, then runs A twice as the machine's first A's (the warm-up that now
-# prefills every prompt: the two should agree) and C's step by kernel under cuBLASLt (HEAD)
-# and cuBLAS, while GPU 1 runs the int4, draft, piecewise and structured GPU tests with
-# cuBLASLt preferred; then the TP and one-shot GPU tests as shipped (flagged words and
-# cuBLASLt on); C alternated twice at TP=2 and once at TP=1, HEAD / cuBLAS.
-plan_r76() {
-  facts
-  (export CUDA_VISIBLE_DEVICES=0
-   ckpt_write 150
-   run_phase a-first-1 150 a
-   run_phase a-first-2 150 a
-   run_phase kernels-head 120 decode-kernels
-   run_phase kernels-cublas 120 decode-kernels TORCH_BLAS_PREFER_CUBLASLT=0) &
-  (export CUDA_VISIBLE_DEVICES=1
-   step tests-gpu 420 "${PT[@]}" tests/gpu/test_int4_cuda.py tests/gpu/test_draft_cuda.py \
-     tests/gpu/test_piecewise_cuda.py tests/gpu/test_structured_cuda.py) &
-  wait
-  step tests-tp 330 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py tests/gpu/test_one_shot_cuda.py
-  local round
-  for round in 1 2; do
-    run_phase "c-tp2-head-$round" 200 c-tp2
-    run_phase "c-tp2-cublas-$round" 200 c-tp2 TORCH_BLAS_PREFER_CUBLASLT=0
-  done
-  run_phase c-tp1-head 150 c
-  run_phase c-tp1-cublas 150 c TORCH_BLAS_PREFER_CUBLASLT=0
-}
-
-# r77 (one H100, nvidia-h100-x1 where lent, ~11 minutes; issue 23's figures at HEAD, none
-# measured on an H100 since r71): A three times first (the warm-up that now prefills every
-# prompt), C HEAD (cuBLASLt) / cuBLAS alternated twice, C's step by kernel, D at c=256.
-plan_r77() {
-  facts
-  ckpt_write 150
-  local round
-  for round in 1 2 3; do
-    run_phase "a-head-$round" 150 a
-  done
-  for round in 1 2; do
-    run_phase "c-head-$round" 150 c
-    run_phase "c-cublas-$round" 150 c TORCH_BLAS_PREFER_CUBLASLT=0
-  done
-  run_phase kernels-head 120 decode-kernels
-  bench serve 300 serve --concurrency 256
-}
-
-# r78 (one H200, ~8 minutes; NOTES e66): cuBLASLt (HEAD) against cuBLAS at B's and D's
-# sizes: the ours phase (C, A, B) alternated twice, D at c=256 HEAD / cuBLAS / HEAD (a
-# server a step), A's decode step by kernel under each.
 serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAME
   local name=$1
   shift
@@ -192,29 +143,21 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-plan_r78() {
+# r80 (one GPU: an H100, nvidia-h100-x1, where lent, else one H200; ~8 minutes; NOTES
+# e66): the shipped BLAS split (decode graphs of up to 64 rows captured under cuBLASLt)
+# against cuBLAS everywhere on one machine: C, A and B alternated twice, C's step by
+# kernel, D at c=256 a server each. On an H100 these are also issue 23's figures at HEAD.
+plan_r80() {
   facts
   ckpt_write 150
-  run_phase ours-head-1 150 ours
-  run_phase ours-cublas-1 150 ours TORCH_BLAS_PREFER_CUBLASLT=0
-  serve_d d-head-1
+  local round
+  for round in 1 2; do
+    run_phase "ours-split-$round" 150 ours
+    run_phase "ours-cublas-$round" 150 ours TORCH_BLAS_PREFER_CUBLASLT=0
+  done
+  run_phase kernels-split 120 decode-kernels
+  serve_d d-split-1
   serve_d d-cublas-1 TORCH_BLAS_PREFER_CUBLASLT=0
-  run_phase ours-head-2 150 ours
-  run_phase ours-cublas-2 150 ours TORCH_BLAS_PREFER_CUBLASLT=0
-  serve_d d-head-2
-  run_phase kernels-a-head 120 decode-kernels-a
-  run_phase kernels-a-cublas 120 decode-kernels-a TORCH_BLAS_PREFER_CUBLASLT=0
-}
-
-# r79 (one H200, ~3 minutes of the session's last device time; NOTES e66): the decode
-# graphs of up to 64 rows under cuBLASLt, every other step under cuBLAS: the engine's GPU
-# tests (graphs against eager), then C, A and B once.
-plan_r79() {
-  facts
-  ckpt_write 150 &
-  step tests-engine 200 "${PT[@]}" tests/gpu/test_engine_cuda.py
-  wait
-  run_phase ours-split 150 ours
 }
 
 case "$1" in
