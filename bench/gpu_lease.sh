@@ -143,10 +143,12 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r80 (one GPU: an H100, nvidia-h100-x1, where lent, else one H200; ~8 minutes; NOTES
+# r80 (one GPU: an H100, nvidia-h100-x1, where lent, else one H200; ~10 minutes; NOTES
 # e66): the shipped BLAS split (decode graphs of up to 64 rows captured under cuBLASLt)
 # against cuBLAS everywhere on one machine: C, A and B alternated twice, C's step by
 # kernel, D at c=256 a server each. On an H100 these are also issue 23's figures at HEAD.
+# Then B eager against piecewise graphs on the same host (B's eager mixed steps ranged
+# 24-45 ms by host, r79), the data for piecewise graphs by default.
 plan_r80() {
   facts
   ckpt_write 150
@@ -158,6 +160,7 @@ plan_r80() {
   run_phase kernels-split 120 decode-kernels
   serve_d d-split-1
   serve_d d-cublas-1 TORCH_BLAS_PREFER_CUBLASLT=0
+  run_phase piecewise 200 piecewise
 }
 
 case "$1" in
