@@ -17,9 +17,9 @@ from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
 # allocate workspace for cublaslt", r74)
 BLAS_ENV = ("TORCH_BLAS_PREFER_CUBLASLT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
 # Decode graphs of at most this many rows capture cuBLASLt's GEMM kernels; larger graphs
-# and every eager or piecewise step keep cuBLAS's (an H200, NOTES e66 measured: cuBLASLt's
-# decode step kernels 1% faster at one row and 2.9% at 64, 2% slower at 256; eager mixed
-# steps 4-13% slower under it)
+# and every eager or piecewise step keep cuBLAS's (H200s, NOTES e65/e66 measured, with
+# cuBLASLt for every GEMM: C, one row, 1.0-1.3% faster; the decode step's kernels 2.9%
+# faster at 64 rows and 2% slower at 256; B's eager mixed steps 4-13% slower)
 CUBLASLT_MAX_ROWS = 64
 
 
