@@ -148,7 +148,8 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
 # against cuBLAS everywhere on one machine: C, A and B alternated twice, C's step by
 # kernel, D at c=256 a server each. On an H100 these are also issue 23's figures at HEAD.
 # Then B eager against piecewise graphs on the same host (B's eager mixed steps ranged
-# 24-45 ms by host, r79), the data for piecewise graphs by default.
+# 24-45 ms by host, r79), the data for piecewise graphs by default; the host's time a GEMM
+# call under each library (e66's guess for the mixed steps' loss under cuBLASLt).
 plan_r80() {
   facts
   ckpt_write 150
@@ -161,6 +162,7 @@ plan_r80() {
   serve_d d-split-1
   serve_d d-cublas-1 TORCH_BLAS_PREFER_CUBLASLT=0
   run_phase piecewise 200 piecewise
+  step blas-host 120 python3 bench/blas_host_cost.py --out-dir "$RES/blas-host"
 }
 
 case "$1" in
