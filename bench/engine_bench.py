@@ -130,9 +130,12 @@ PIECEWISE_MODE = "full_and_piecewise"
 PIECEWISE_CONCURRENCIES = (64, 256)
 # two GPUs; run by name only
 TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce", "c-tp2")
-# comparisons of one change, run by name only (not in all); ``c`` (and ``c-tp2``), ``a``:
-# C or A alone, for engines compared one process each
-NAMED_PHASES = ("spec-device", "c", "a")
+# comparisons of one change, run by name only (not in all); ``c`` (and ``c-tp2``), ``a``,
+# ``b``: C, A or B alone, for engines compared one process each; ``b-pieces`` and
+# ``b-pieces-eager``: B with piecewise graphs of Inductor's or of the traced (eager) pieces,
+# each from an empty compile cache (start-up included); ``serve-pieces-eager``: D with the
+# latter at --piecewise-concurrency
+NAMED_PHASES = ("spec-device", "c", "a", "b", "b-pieces", "b-pieces-eager", "serve-pieces-eager")
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
@@ -1245,6 +1248,21 @@ def phase_piecewise(ckpt: Path, cache_dir: Path) -> dict[str, Any]:
     return res
 
 
+def phase_b_pieces(ckpt: Path, cache_dir: Path, compiler: str) -> dict[str, Any]:
+    """B with piecewise graphs whose pieces ``compiler`` made ("inductor" or "eager"),
+    from an empty compile cache, so ``load_s`` is a first start's."""
+    import shutil
+
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return phase_ours(
+        ckpt,
+        "B",
+        cuda_graph_mode=PIECEWISE_MODE,
+        piecewise_compiler=compiler,
+        compile_cache_dir=str(cache_dir),
+    )
+
+
 def phase_piecewise_warm(ckpt: Path, cache_dir: Path) -> dict[str, Any]:
     """A piecewise engine's start-up on the compile cache phase ``piecewise`` filled."""
     t0 = time.perf_counter()
@@ -1838,6 +1856,16 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "c": lambda: phase_ours(ckpt, "C"),
         "a": lambda: phase_ours(ckpt, "A"),
+        "b": lambda: phase_ours(ckpt, "B"),
+        "b-pieces": lambda: phase_b_pieces(ckpt, out / "compile-cache-b", "inductor"),
+        "b-pieces-eager": lambda: phase_b_pieces(ckpt, out / "compile-cache-b", "eager"),
+        "serve-pieces-eager": lambda: phase_serve(
+            ckpt,
+            out,
+            [int(c) for c in args.piecewise_concurrency.split(",")],
+            extra=["--cuda-graph-mode", PIECEWISE_MODE, "--piecewise-compiler", "eager"],
+            tag="pieces-eager",
+        ),
         "c-tp2": lambda: phase_ours(ckpt, "C", tensor_parallel_size=2),
         "spec-device": lambda: spec_bench.phase_spec_device(
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close

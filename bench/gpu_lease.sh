@@ -143,13 +143,14 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r80 (one GPU: an H100, nvidia-h100-x1, where lent, else one H200; ~10 minutes; NOTES
-# e66): the shipped BLAS split (decode graphs of up to 64 rows captured under cuBLASLt)
-# against cuBLAS everywhere on one machine: C, A and B alternated twice, C's step by
-# kernel, D at c=256 a server each. On an H100 these are also issue 23's figures at HEAD.
-# Then B eager against piecewise graphs on the same host (B's eager mixed steps ranged
-# 24-45 ms by host, r79), the data for piecewise graphs by default; the host's time a GEMM
-# call under each library (e66's guess for the mixed steps' loss under cuBLASLt).
+# r80 (one GPU: an H100, nvidia-h100-x1, where lent, else one H200; ~15 minutes; NOTES
+# e66, e68): the shipped BLAS split (decode graphs of up to 64 rows captured under
+# cuBLASLt) against cuBLAS everywhere on one machine: C, A and B alternated twice, C's step
+# by kernel. On an H100 these are also issue 23's figures at HEAD. Then B with piecewise
+# graphs of traced pieces (no Inductor) and of Inductor's, on the host of the B runs above
+# (B's eager mixed steps ranged 24-45 ms by host, r79), each from an empty compile cache;
+# D at c=256 a server each: default, traced pieces, cuBLAS; the host's time a GEMM call
+# under each library (e66's guess for the mixed steps' loss under cuBLASLt).
 plan_r80() {
   facts
   ckpt_write 150
@@ -159,9 +160,13 @@ plan_r80() {
     run_phase "ours-cublas-$round" 150 ours TORCH_BLAS_PREFER_CUBLASLT=0
   done
   run_phase kernels-split 120 decode-kernels
+  run_phase b-pieces-eager-1 150 b-pieces-eager
+  run_phase b-pieces-1 150 b-pieces
+  run_phase b-pieces-eager-2 150 b-pieces-eager
   serve_d d-split-1
+  step d-pieces-eager 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-eager" \
+    --ckpt "$CKPT" --phases serve-pieces-eager --piecewise-concurrency 256
   serve_d d-cublas-1 TORCH_BLAS_PREFER_CUBLASLT=0
-  run_phase piecewise 200 piecewise
   step blas-host 120 python3 bench/blas_host_cost.py --out-dir "$RES/blas-host"
 }
 

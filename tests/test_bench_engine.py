@@ -337,6 +337,38 @@ def test_tp2_phase_runs_an_engine_over_two_cpu_ranks(
     assert res["latency"]["tpot_ms"] > 0
 
 
+def test_b_pieces_phase_starts_from_an_empty_compile_cache(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """B with piecewise graphs of traced pieces: the phase empties the cache folder first
+    (a first start's load_s), the engine runs the mixed steps through the pieces."""
+    from kvscale.server import LLM
+
+    settings: list[dict] = []
+
+    def make(ckpt: Path, **kw: object) -> LLM:
+        settings.append(kw)
+        return LLM(str(ckpt), device="cpu", num_kv_blocks=128, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(eb, "_llm", make)
+    monkeypatch.setattr(eb, "b_lengths", lambda: [(20, 3), (9, 4), (33, 2), (5, 3)])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "stale").write_text("from an earlier run")
+    res = eb.phase_b_pieces(llama_ckpt, cache, "eager")
+    assert settings == [
+        {
+            "cuda_graph_mode": eb.PIECEWISE_MODE,
+            "piecewise_compiler": "eager",
+            "compile_cache_dir": str(cache),
+        }
+    ]
+    assert not (cache / "stale").exists()
+    assert res["B"]["output_tokens"] == 3 + 4 + 2 + 3 and res["B"]["steps"]["prefill_steps"] > 0
+    assert res["piecewise"]["pieces"] > 0 and res["piecewise"]["loaded"] == 0
+    assert res["load_s"] > 0
+
+
 def test_report_rows_of_the_piecewise_phases() -> None:
     def b(tok_s: float, mixed_ms: float, load_s: float) -> dict:
         return {
