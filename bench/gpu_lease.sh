@@ -170,6 +170,27 @@ plan_r80() {
   step blas-host 120 python3 bench/blas_host_cost.py --out-dir "$RES/blas-host"
 }
 
+# r81 (two GPUs of one host, nvidia-h200-x2; ~12 minutes): what the BLAS split (e66) has not
+# run yet on a GPU, every GPU test file but the engine's (r79), a file group per GPU, then
+# the TP ones; and TP=1 against TP=2 C on one machine, alternated twice (issue 24's ratio;
+# r73's 0.689x is the last, and r76 lost its TP=1 C).
+plan_r81() {
+  facts
+  (export CUDA_VISIBLE_DEVICES=0
+   ckpt_write 150
+   step tests-gpu-0 420 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py) &
+  (export CUDA_VISIBLE_DEVICES=1
+   step tests-gpu-1 420 "${PT[@]}" tests/gpu/test_int4_cuda.py tests/gpu/test_piecewise_cuda.py \
+     tests/gpu/test_structured_cuda.py) &
+  wait
+  step tests-tp 330 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py tests/gpu/test_one_shot_cuda.py
+  local round
+  for round in 1 2; do
+    run_phase "c-tp1-$round" 150 c
+    run_phase "c-tp2-$round" 200 c-tp2
+  done
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
