@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -42,6 +43,7 @@ from kvscale.server.spec_decode.draft_sidecar import (
     TokenizerMismatch,
     serve_draft,
     socket_path,
+    spin_until_readable,
     spin_window,
 )
 from kvscale.server.spec_decode.prefix import common_prefix_len
@@ -801,13 +803,19 @@ def test_the_client_polls_through_the_drafts_compute_time(
     comes instead of sleeping after its 1 ms window (a wake-up costs up to ~1 ms)."""
     assert spin_window(0.001, 0.004) == pytest.approx(0.006)
     assert spin_window(0.001, SPIN_MAX_S) == 0.001  # a CPU draft's cores stay free
+    known: list[float] = []  # the sidecar's compute time each window was given
     polls: list[bool | None] = []
-    real = draft_sidecar.spin_until_readable
+    real_window, real_spin = draft_sidecar.spin_window, draft_sidecar.spin_until_readable
+
+    def window(spin_s: float, last_compute_s: float) -> float:
+        known.append(last_compute_s)
+        return real_window(spin_s, last_compute_s)
 
     def recorded(sock: socket.socket, until: float) -> bool | None:
-        polls.append(real(sock, until))
+        polls.append(real_spin(sock, until))
         return polls[-1]
 
+    monkeypatch.setattr(draft_sidecar, "spin_window", window)
     monkeypatch.setattr(draft_sidecar, "spin_until_readable", recorded)
     path, _ = thread_server(EchoModel(delay_s=0.003))
     client = SidecarProposer(path, "fp", timeout_s=5)
@@ -817,11 +825,45 @@ def test_the_client_polls_through_the_drafts_compute_time(
         for r in reqs:
             r.token_ids.append(7)  # type: ignore[attr-defined]
     client.close()
-    # the first poll lapses (1 ms against 3; None if another process took the CPU first)
-    # and pauses polling for SPIN_BACKOFF_S; the later ones wait the answer out (a lapse
-    # now and then: another process took the CPU)
-    assert polls[0] is not True and len(polls) >= 5, polls
-    assert sum(p is True for p in polls[1:]) >= 0.7 * (len(polls) - 1), polls
+    # the first window knows no compute time (1 ms alone); each later one is given the 3+
+    # ms the sidecar took (a window that lapses pauses polling for SPIN_BACKOFF_S: fewer
+    # windows than steps). Whether a poll then gets the answer depends on the machine's
+    # load (another process may hold the CPU the sidecar needs): the poll itself is
+    # tested below, the gain on a quiet machine by bench/sidecar_breakdown.py.
+    assert len(known) >= 5 and known[0] == 0.0 and min(known[1:]) >= 0.003, known
+    assert len(polls) == len(known)
+
+
+def test_polling_ends_with_the_data_or_the_window() -> None:
+    """True once the socket has data, False when the window passes without any; None
+    (the loop lost the CPU for a while) may come instead, so a call is repeated until it
+    kept the CPU."""
+    a, b = socket.socketpair()
+    try:
+
+        def poll(window_s: float, send_after_s: float | None = None) -> bool:
+            for _ in range(50):
+                sender = None
+                if send_after_s is not None:
+                    sender = threading.Timer(send_after_s, a.send, (b"x",))
+                    sender.start()
+                got = spin_until_readable(b, time.monotonic() + window_s)
+                if sender is not None:
+                    sender.join()
+                while select.select([b], [], [], 0)[0]:
+                    b.recv(16)  # empty again for the next call
+                if got is not None:
+                    return got
+            pytest.fail("50 polls in a row lost the CPU")
+
+        a.send(b"x")
+        assert spin_until_readable(b, time.monotonic() + 0.001) is True  # data already there
+        b.recv(16)
+        assert poll(0.002) is False  # nothing came within the window
+        assert poll(2.0, send_after_s=0.003) is True  # the data came within it
+    finally:
+        a.close()
+        b.close()
 
 
 def test_sidecar_process_drafts_as_in_process_and_survives_a_kill(
