@@ -799,8 +799,9 @@ def test_the_client_polls_through_the_drafts_compute_time(
     thread_server: Callable[..., tuple[str, EchoModel]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A draft that takes 3 ms a step (a GPU draft takes milliseconds): after the first
-    step, whose time the client does not know yet, the client polls until the answer
-    comes instead of sleeping after its 1 ms window (a wake-up costs up to ~1 ms)."""
+    step, whose time the client does not know yet, the client's polling window covers
+    the sidecar's compute time of the last step, so it polls until the answer comes
+    instead of sleeping after its 1 ms window (a wake-up costs up to ~1 ms)."""
     assert spin_window(0.001, 0.004) == pytest.approx(0.006)
     assert spin_window(0.001, SPIN_MAX_S) == 0.001  # a CPU draft's cores stay free
     known: list[float] = []  # the sidecar's compute time each window was given
