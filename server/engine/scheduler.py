@@ -165,7 +165,7 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Allocates blocks for ``n`` more tokens of ``seq``, preempting the newest if needed."""
-        if len(seq.block_table) * self.blocks.block_size >= seq.num_computed_tokens + n:
+        if not self.blocks.num_new_blocks(seq.block_table, seq.num_computed_tokens + n):
             return True  # its blocks hold them already (most decode steps): nothing to take
         while not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
             victim = self.running.pop()
