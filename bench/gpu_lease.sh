@@ -143,44 +143,6 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r82 (two GPUs of one host, nvidia-h200-x2; ~21 minutes; NOTES e66-e68): r80's and
-# r81's owed runs in one lease. Part 1: GPU 0 writes the checkpoint and runs HEAD's C, A and
-# B twice, C's step by kernel and D at c=256 while GPU 1 runs every GPU test file the BLAS
-# split (e66) has not run. Part 2, GPU 0 alone (no test process beside it, as B's eager
-# mixed steps are host-bound): B default, with traced pieces and with Inductor's (each from
-# an empty compile cache), alternated; D at c=256 with traced pieces; the host's time a GEMM
-# call under each library (e67). Part 3: the TP tests, then TP=1 against TP=2 C alternated
-# (issue 24's ratio; r73's 0.689x predates the split).
-plan_r82() {
-  facts
-  (export CUDA_VISIBLE_DEVICES=0
-   ckpt_write 150
-   run_phase ours-1 150 ours
-   run_phase kernels-split 120 decode-kernels
-   serve_d d-split-1
-   run_phase ours-2 150 ours) &
-  (export CUDA_VISIBLE_DEVICES=1
-   step tests-gpu-1 540 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
-     tests/gpu/test_int4_cuda.py tests/gpu/test_piecewise_cuda.py \
-     tests/gpu/test_structured_cuda.py) &
-  wait
-  (export CUDA_VISIBLE_DEVICES=0
-   run_phase b-1 120 b
-   run_phase b-pieces-eager-1 150 b-pieces-eager
-   run_phase b-pieces-1 150 b-pieces
-   run_phase b-2 120 b
-   run_phase b-pieces-eager-2 150 b-pieces-eager
-   step d-pieces-eager 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-eager" \
-     --ckpt "$CKPT" --phases serve-pieces-eager --piecewise-concurrency 256
-   step blas-host 120 python3 bench/blas_host_cost.py --out-dir "$RES/blas-host")
-  step tests-tp 330 "${PT[@]}" tests/gpu/test_tensor_parallel_cuda.py tests/gpu/test_one_shot_cuda.py
-  local round
-  for round in 1 2; do
-    run_phase "c-tp1-$round" 150 c
-    run_phase "c-tp2-$round" 200 c-tp2
-  done
-}
-
 case "$1" in
   start)
     rm -f "$RES/finished"
