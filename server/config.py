@@ -170,7 +170,7 @@ class EngineConfig:
     )
     piecewise_compiler: str = setting(
         "inductor",
-        "compiler of each piece: inductor | eager (as traced, for debugging)",
+        "compiler of each piece: inductor | eager (as traced, with the Triton kernels)",
         group="compilation",
         choices=PIECE_COMPILERS,
     )

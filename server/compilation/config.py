@@ -96,7 +96,8 @@ class CompilationConfig:
     """How the model is compiled and captured for mixed steps.
 
     ``capture_sizes``: token buckets captured as piecewise CUDA graphs, ascending.
-    ``compiler``: "inductor" or "eager" (the pieces run as traced, for debugging).
+    ``compiler``: "inductor" or "eager" (the pieces run as traced, the elementwise kernels
+    as opaque custom ops: ``ops.routing_for_tracing``).
     ``compile_sizes``: buckets each piece is also compiled for with static shapes
     (Inductor only); every other bucket runs the one dynamic-shape compilation.
     ``split_ops``: custom ops the graph is split at (``namespace::name``); they run

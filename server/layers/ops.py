@@ -66,3 +66,26 @@ def kernels(enabled: bool) -> Iterator[None]:
         yield
     finally:
         use_kernels(previous)
+
+
+@contextlib.contextmanager
+def traceable_kernels() -> Iterator[None]:
+    """The kernels inside the block, the fusable ones as custom ops that Dynamo keeps as
+    one opaque call each (``kernel_ops``); the previous routing after it."""
+    from kvscale.server.layers import kernel_ops  # registers the ops on first use
+
+    previous = use_kernels(True)
+    try:
+        globals().update(kernel_ops.OPS)
+        yield
+    finally:
+        use_kernels(previous)
+
+
+def routing_for_tracing(compiler: str, kernels_on: bool) -> contextlib.AbstractContextManager[None]:
+    """What a piecewise trace sees: the references for Inductor, which fuses them itself;
+    for the ``eager`` compiler, whose pieces run as traced, the kernels as opaque ops when
+    the model runs on them (``kernels_on``), else the references it runs on."""
+    if compiler == "eager" and kernels_on:
+        return traceable_kernels()
+    return kernels(False)

@@ -290,11 +290,8 @@ class Worker:
             pool,
         )
         try:
-            ops.use_kernels(False)  # trace the references: Inductor fuses them itself
-            try:
+            with ops.routing_for_tracing(compilation.compiler, use_kernels):
                 pw.compile()
-            finally:
-                ops.use_kernels(use_kernels)  # the uncompiled model keeps the kernels
             pw.capture()
         except Exception as e:
             log.warning(
