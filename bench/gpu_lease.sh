@@ -143,6 +143,29 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
+# r83 (one GPU: an H100 where lent, else one H200; ~13 minutes; NOTES e72): the traced
+# pieces now traced through the Triton kernels as opaque custom ops. Their GPU tests (the
+# piecewise file runs the eager compiler; the custom ops natively), then B default, with
+# traced pieces and with Inductor's (each from an empty compile cache), alternated; D at
+# c=256 default and with traced pieces on the same host; then what r82 could not run: the
+# host's time a GEMM call under each library (e67) and D under cuBLAS.
+plan_r83() {
+  facts
+  ckpt_beside tests-pieces 300 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
+  step tests-kernel-ops 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_kernel_ops.py
+  local round
+  for round in 1 2; do
+    run_phase "b-$round" 120 b
+    run_phase "b-pieces-eager-$round" 150 b-pieces-eager
+    run_phase "b-pieces-$round" 150 b-pieces
+  done
+  serve_d d-1
+  step d-pieces-eager 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-eager" \
+    --ckpt "$CKPT" --phases serve-pieces-eager --piecewise-concurrency 256
+  step blas-host 120 python3 bench/blas_host_cost.py --out-dir "$RES/blas-host"
+  serve_d d-cublas TORCH_BLAS_PREFER_CUBLASLT=0
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
