@@ -4,8 +4,9 @@ Dynamo treats a custom op as one opaque call, so a model traced while ``ops`` ro
 these (``ops.traceable_kernels``) keeps each fused kernel as one node. Piecewise graphs
 compiled with ``--piecewise-compiler eager`` run the traced pieces as they are: traced
 through the references instead, each RMS norm and SiLU-and-mul ran as several unfused aten
-kernels (B 8.6% below Inductor's pieces on an H200, bench/NOTES.md "e68 and e71
-measured"). Inductor keeps tracing the references, which it fuses itself.
+kernels (B 8.6% below Inductor's pieces on an H200; bench/NOTES.md "e68 and e71
+measured" has the figures and this reading of them). Inductor keeps tracing the
+references, which it fuses itself.
 
 An op's fake (the shapes and dtypes Dynamo traces with) is its reference run on copies of
 the fake inputs; the kernels and their references share signatures and layouts.

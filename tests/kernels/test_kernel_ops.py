@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from kvscale.kernels import rmsnorm
 from kvscale.server.layers import ops
 from kvscale.server.layers.activation import SiluAndMul
 from kvscale.server.layers.kernel_ops import OPS
@@ -91,8 +92,12 @@ def test_traced_layers_keep_the_kernels_as_one_node_each(device: Any) -> None:
     assert any("rsqrt" in t for t in targets), targets
 
 
-@pytest.mark.parametrize("compiler,kernels_on", [("eager", False), ("inductor", False)])
-def test_references_stay_for_models_that_run_on_them(compiler: str, kernels_on: bool) -> None:
-    with ops.routing_for_tracing(compiler, kernels_on):
-        assert not ops.routed_to_kernels()
-    assert not ops.routed_to_kernels()
+@pytest.mark.parametrize(
+    "compiler,kernels_on", [("eager", False), ("inductor", False), ("inductor", True)]
+)
+def test_the_other_traces_see_the_references(compiler: str, kernels_on: bool) -> None:
+    with ops.kernels(True):
+        with ops.routing_for_tracing(compiler, kernels_on):
+            assert not ops.routed_to_kernels()
+            assert ops.rms_norm is rmsnorm.rms_norm_ref
+        assert ops.rms_norm is rmsnorm.rms_norm  # the routing before, after
