@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +37,26 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than any repeat's enqueuei
 
 
 def host_us_per_call(
-    x: torch.Tensor, w: torch.Tensor, calls: int, busy: Callable[[], None], sync: Callable[[], None]
+    call: Callable[[], object], calls: int, busy: Callable[[], None], sync: Callable[[], None]
 ) -> float:
-    """Median over ``REPEATS`` of the host's time (us) to issue one ``F.linear(x, w)``:
-    ``busy`` before each repeat (on a GPU: a kernel that outlasts it), ``sync`` after it,
-    untimed (so launches never pile up to the driver's queue limit, which would block)."""
+    """Median over ``REPEATS`` of the host's time (us) to issue one ``call()``: ``busy``
+    before each repeat (on a GPU: a kernel that outlasts it), ``sync`` after it, untimed
+    (so launches never pile up to the driver's queue limit, which would block)."""
     times = []
     for _ in range(REPEATS):
         busy()
         t0 = time.perf_counter()
         for _ in range(calls):
-            F.linear(x, w)
+            call()
         times.append((time.perf_counter() - t0) / calls * 1e6)
         sync()
     return statistics.median(times)
 
 
-def measure(
-    device: torch.device, rows: list[int], libraries: list[str], calls: int, scale: int = 1
-) -> list[dict[str, Any]]:
-    """One row per (library, layer, row count): host us a call. ``scale`` divides the
-    layers' sizes (CPU tests); on the CPU ``libraries`` must be ``["default"]``."""
+def gpu_busy_and_sync(device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``busy`` (a sleep kernel longer than any repeat's enqueueing) and ``sync`` for
+    :func:`host_us_per_call` on ``device``; both do nothing on the CPU."""
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
 
     def busy() -> None:
         if cuda:
@@ -68,6 +66,16 @@ def measure(
         if cuda:
             torch.cuda.synchronize()
 
+    return busy, sync
+
+
+def measure(
+    device: torch.device, rows: list[int], libraries: list[str], calls: int, scale: int = 1
+) -> list[dict[str, Any]]:
+    """One row per (library, layer, row count): host us a call. ``scale`` divides the
+    layers' sizes (CPU tests); on the CPU ``libraries`` must be ``["default"]``."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    busy, sync = gpu_busy_and_sync(device)
     out = []
     for lib in libraries:
         if lib != "default":
@@ -77,7 +85,7 @@ def measure(
             for m in rows:
                 x = torch.randn(m, k // scale, device=device, dtype=dtype)
                 F.linear(x, w)  # first call: handles, workspace, heuristics
-                us = host_us_per_call(x, w, calls, busy, sync)
+                us = host_us_per_call(partial(F.linear, x, w), calls, busy, sync)
                 out.append({"library": lib, "layer": name, "rows": m, "host_us": us})
                 print(f"{lib:>9} {name:>8} {m:>4} rows: {us:7.1f} us a call", flush=True)
     return out
