@@ -14,7 +14,6 @@ Each library and shape is called once first (workspaces, handles, heuristics' ca
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from kvscale.kernels.testing import LLAMA_8B_LINEARS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm_rows import run_meta  # bench/ is not a package
+from gemm_rows import run_meta, write_results  # bench/ is not a package
 
 LIBRARIES = ("cublas", "cublaslt")
 REPEATS = 5
@@ -105,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         args.libraries.split(","),
         args.calls,
     )
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "blas_host_cost.json"
-    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(f"wrote {path}")
+    write_results(args.out_dir, "blas_host_cost.json", meta, results)
     return 0
 
 

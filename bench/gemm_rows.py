@@ -180,6 +180,16 @@ def run_meta(**extra: Any) -> dict[str, Any]:
     return meta
 
 
+def write_results(out_dir: Path, name: str, meta: dict[str, Any], results: Any) -> Path:
+    """``{"meta": meta, "results": results}`` as ``out_dir/name`` (indented JSON); says
+    where."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=Path("."))

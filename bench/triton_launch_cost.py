@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blas_host_cost import gpu_busy_and_sync, host_us_per_call  # bench/ is not a package
-from gemm_rows import run_meta
+from gemm_rows import run_meta, write_results
 
 HIDDEN, INTER = 4096, 14336  # the 8B model's
 
@@ -142,10 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     meta = run_meta()
     results = measure(torch.device("cuda"), args.rows, args.calls)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "triton_launch_cost.json"
-    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(f"wrote {path}")
+    write_results(args.out_dir, "triton_launch_cost.json", meta, results)
     return 0
 
 

@@ -1,6 +1,10 @@
-"""CPU tests of bench/gemm_rows.py: its variants compute the same product (no GPU)."""
+"""CPU tests of bench/gemm_rows.py: its variants compute the same product (no GPU), and
+its results writer shared by the host-cost scripts."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,3 +41,9 @@ def test_each_graph_cycles_through_over_four_l2s_of_weights() -> None:
     assert gr.copies_for(128256 * 4096 * 2, l2) == 2  # the head: at least two
     for _, n, k in gr.LAYERS:
         assert gr.copies_for(n * k * 2, l2) * n * k * 2 >= gr.L2_MULTIPLE * l2
+
+
+def test_results_are_written_with_their_meta(tmp_path: Path) -> None:
+    path = gr.write_results(tmp_path / "out", "x.json", {"gpu": "g"}, [{"us": 1.5}])
+    assert path == tmp_path / "out" / "x.json"
+    assert json.loads(path.read_text()) == {"meta": {"gpu": "g"}, "results": [{"us": 1.5}]}
