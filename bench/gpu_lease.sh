@@ -155,6 +155,8 @@ plan_r83() {
   ckpt_beside tests-pieces 300 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
   step tests-kernel-ops 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_kernel_ops.py \
     tests/kernels/test_launch_cost_script.py
+  step triton-launch 120 python3 bench/triton_launch_cost.py --out-dir "$RES/triton-launch"
+  step blas-host 120 python3 bench/blas_host_cost.py --out-dir "$RES/blas-host"
   local round
   for round in 1 2; do
     run_phase "b-$round" 120 b
@@ -164,8 +166,6 @@ plan_r83() {
   serve_d d-1
   step d-pieces-eager 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-eager" \
     --ckpt "$CKPT" --phases serve-pieces-eager --piecewise-concurrency 256
-  step blas-host 120 python3 bench/blas_host_cost.py --out-dir "$RES/blas-host"
-  step triton-launch 120 python3 bench/triton_launch_cost.py --out-dir "$RES/triton-launch"
   serve_d d-cublas TORCH_BLAS_PREFER_CUBLASLT=0
 }
 
