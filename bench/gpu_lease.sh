@@ -150,25 +150,6 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
 # c=256 default and with traced pieces on the same host; then what r82 could not run: the
 # host's time a GEMM call under each library (e67) and D under cuBLAS; the host's time a
 # Triton launch through the wrapper, JITFunction.run and the compiled launcher (e70).
-plan_r83() {
-  facts
-  ckpt_beside tests-pieces 300 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
-  step tests-kernel-ops 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_kernel_ops.py \
-    tests/kernels/test_launch_cost_script.py
-  step triton-launch 120 python3 bench/triton_launch_cost.py --out-dir "$RES/triton-launch"
-  step blas-host 120 python3 bench/blas_host_cost.py --out-dir "$RES/blas-host"
-  local round
-  for round in 1 2; do
-    run_phase "b-$round" 120 b
-    run_phase "b-pieces-eager-$round" 150 b-pieces-eager
-    run_phase "b-pieces-$round" 150 b-pieces
-  done
-  serve_d d-1
-  step d-pieces-eager 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-eager" \
-    --ckpt "$CKPT" --phases serve-pieces-eager --piecewise-concurrency 256
-  serve_d d-cublas TORCH_BLAS_PREFER_CUBLASLT=0
-}
-
 case "$1" in
   start)
     rm -f "$RES/finished"
