@@ -96,9 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         if not (self.rope_in_decode and meta.is_decode_only):
-            return super().rope_write_and_attend(
-                q, k, v, positions, cos_sin_cache, kv, meta, scale
-            )
+            return super().rope_write_and_attend(q, k, v, positions, cos_sin_cache, kv, meta, scale)
         meta.check_tokens(q, "q")
         rope = RopeWrite(positions, k, v, cos_sin_cache, meta.slot_mapping)
         return self._decode(q, kv, meta, scale, rope)

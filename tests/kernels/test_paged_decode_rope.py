@@ -22,15 +22,24 @@ MAX_POS = 512
 SEQ_LENS = [1, 37, 100, 64, 5]
 
 
-def _case(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int, block: int,
-          fp8: bool, device: torch.device) -> dict:
+def _case(
+    dtype: torch.dtype,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    block: int,
+    fp8: bool,
+    device: torch.device,
+) -> dict:
     kv = random_paged_kv(SEQ_LENS, kv_heads, head_dim, block, dtype, device)
     k_cache, v_cache = kv.k_cache, kv.v_cache
     scales: dict[str, torch.Tensor | None] = {"k_scale": None, "v_scale": None}
     if fp8:
         k_cache, v_cache = k_cache.to(FP8_E4M3), v_cache.to(FP8_E4M3)
-        scales = {"k_scale": torch.tensor(0.75, device=device),
-                  "v_scale": torch.tensor(1.5, device=device)}
+        scales = {
+            "k_scale": torch.tensor(0.75, device=device),
+            "v_scale": torch.tensor(1.5, device=device),
+        }
     heads = kv_heads * group
     b = len(SEQ_LENS)
     qkv = torch.randn(b, heads + 2 * kv_heads, head_dim, dtype=dtype, device=device) * 2
@@ -42,12 +51,18 @@ def _case(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int, block: i
     positions[3] = MAX_POS
     return {
         "q": qkv[:, :heads],
-        "rope": RopeWrite(positions.to(device), qkv[:, heads: heads + kv_heads],
-                          qkv[:, heads + kv_heads:],
-                          compute_cos_sin_cache(head_dim, MAX_POS, 10000.0).to(device),
-                          slots.to(device)),
-        "k_cache": k_cache, "v_cache": v_cache, "tables": kv.block_tables,
-        "seq_lens": kv.seq_lens, "scales": scales,
+        "rope": RopeWrite(
+            positions.to(device),
+            qkv[:, heads : heads + kv_heads],
+            qkv[:, heads + kv_heads :],
+            compute_cos_sin_cache(head_dim, MAX_POS, 10000.0).to(device),
+            slots.to(device),
+        ),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "tables": kv.block_tables,
+        "seq_lens": kv.seq_lens,
+        "scales": scales,
     }
 
 
@@ -71,8 +86,14 @@ def _assert_same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("in_loop", [False, True], ids=["before-loop", "in-loop"])
 def test_rope_in_decode_equals_rope_kernel_then_decode(
-    dtype: torch.dtype, fp8: bool, kv_heads: int, group: int, head_dim: int,
-    num_splits: int | None, in_loop: bool, device: torch.device,
+    dtype: torch.dtype,
+    fp8: bool,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    num_splits: int | None,
+    in_loop: bool,
+    device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Both ways the kernel does the RoPE + KV write: before its loop (the default; grids
@@ -84,15 +105,41 @@ def test_rope_in_decode_equals_rope_kernel_then_decode(
     c = _case(dtype, kv_heads, group, head_dim, 16, fp8, device)
     r, scale = c["rope"], head_dim**-0.5
     two = {n: c[n].clone() for n in ("k_cache", "v_cache")}
-    q_rot = rope_and_write_kv(r.positions, c["q"], r.k, r.v, r.cos_sin_cache, two["k_cache"],
-                              two["v_cache"], r.slot_mapping, **c["scales"])
-    want = paged_decode_attention(q_rot, two["k_cache"], two["v_cache"], c["tables"],
-                                  c["seq_lens"], scale, num_splits=num_splits,
-                                  max_seq_len=700, **c["scales"])
+    q_rot = rope_and_write_kv(
+        r.positions,
+        c["q"],
+        r.k,
+        r.v,
+        r.cos_sin_cache,
+        two["k_cache"],
+        two["v_cache"],
+        r.slot_mapping,
+        **c["scales"],
+    )
+    want = paged_decode_attention(
+        q_rot,
+        two["k_cache"],
+        two["v_cache"],
+        c["tables"],
+        c["seq_lens"],
+        scale,
+        num_splits=num_splits,
+        max_seq_len=700,
+        **c["scales"],
+    )
     one = {n: c[n].clone() for n in ("k_cache", "v_cache")}
-    got = paged_decode_attention(c["q"], one["k_cache"], one["v_cache"], c["tables"],
-                                 c["seq_lens"], scale, num_splits=num_splits,
-                                 max_seq_len=700, rope=r, **c["scales"])
+    got = paged_decode_attention(
+        c["q"],
+        one["k_cache"],
+        one["v_cache"],
+        c["tables"],
+        c["seq_lens"],
+        scale,
+        num_splits=num_splits,
+        max_seq_len=700,
+        rope=r,
+        **c["scales"],
+    )
     for n in ("k_cache", "v_cache"):
         _assert_same_cache(one[n], two[n])
     assert not got.isnan().any()
@@ -108,8 +155,9 @@ def test_a_bad_rope_is_refused(device: torch.device) -> None:
     c = _case(torch.float32, 2, 4, 64, 16, False, device)
     r = c["rope"]._replace(positions=c["rope"].positions[:2])
     with pytest.raises(ValueError, match="positions"):
-        paged_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"],
-                               0.125, rope=r)
+        paged_decode_attention(
+            c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], 0.125, rope=r
+        )
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -128,21 +176,27 @@ def test_the_triton_backend_fuses_decode_only_steps(
     r = c["rope"]
     b = len(SEQ_LENS)
     meta = AttentionMetadata(
-        slot_mapping=r.slot_mapping, query_start_loc=torch.arange(b + 1, dtype=torch.int32,
-                                                                  device=device),
-        seq_lens=c["seq_lens"], block_tables=c["tables"], max_query_len=1, max_seq_len=700,
+        slot_mapping=r.slot_mapping,
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=device),
+        seq_lens=c["seq_lens"],
+        block_tables=c["tables"],
+        max_query_len=1,
+        max_seq_len=700,
     )
     unit = torch.ones((), device=device)
     two = LayerKV(c["k_cache"].clone(), c["v_cache"].clone(), unit, unit)
     want = triton_backend.AttentionBackend.rope_write_and_attend(
-        backend, c["q"], r.k, r.v, r.positions, r.cos_sin_cache, two, meta, 0.125)
+        backend, c["q"], r.k, r.v, r.positions, r.cos_sin_cache, two, meta, 0.125
+    )
     calls = []
     real = triton_backend.rope_and_write_kv
-    monkeypatch.setattr(triton_backend, "rope_and_write_kv",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        triton_backend, "rope_and_write_kv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     one = LayerKV(c["k_cache"].clone(), c["v_cache"].clone(), unit, unit)
-    got = backend.rope_write_and_attend(c["q"], r.k, r.v, r.positions, r.cos_sin_cache, one,
-                                        meta, 0.125)
+    got = backend.rope_write_and_attend(
+        c["q"], r.k, r.v, r.positions, r.cos_sin_cache, one, meta, 0.125
+    )
     assert len(calls) == (0 if fused else 1)
     _assert_same_cache(one.k, two.k)
     _assert_same_cache(one.v, two.v)

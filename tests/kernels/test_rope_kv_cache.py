@@ -139,8 +139,12 @@ def test_an_engine_on_the_triton_backend_decodes_as_the_torch_backend(
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs, stats = {}, {}
     # "triton-fused": decode-only steps rotate and write K/V in the decode kernel
-    for name, backend, fused in (("torch", "torch", "0"), ("triton", "triton", "0"),
-                                 ("triton-fused", "triton", "1"), ("in-loop", "triton", "1")):
+    for name, backend, fused in (
+        ("torch", "torch", "0"),
+        ("triton", "triton", "0"),
+        ("triton-fused", "triton", "1"),
+        ("in-loop", "triton", "1"),
+    ):
         if name == "in-loop":
             monkeypatch.setattr(paged_decode, "USE_ROPE_IN_LOOP", True)
             monkeypatch.setattr(paged_decode, "num_sms", lambda device: 10_000)
