@@ -140,7 +140,8 @@ class EngineConfig:
     compile: bool = setting(
         False,
         "torch.compile the layers around attention (Inductor) also for the steps that no "
-        "piecewise graph runs; slower start-up",
+        "piecewise graph runs (with a piecewise mode: the pieces --piecewise-compiler "
+        "made); slower start-up",
     )
     cuda_graph_max_batch: int = setting(
         256, "largest decode batch captured as a CUDA graph; 0 = none", min=0
@@ -169,8 +170,9 @@ class EngineConfig:
         group="compilation",
     )
     piecewise_compiler: str = setting(
-        "inductor",
-        "compiler of each piece: inductor | eager (as traced, with the Triton kernels)",
+        "eager",
+        "compiler of each piece: eager (the pieces as traced, with the hand-written Triton "
+        "kernels; starts in seconds) | inductor (Inductor fuses each piece; slower start-up)",
         group="compilation",
         choices=PIECE_COMPILERS,
     )

@@ -39,6 +39,7 @@ STRESS = dict(
     max_model_len=96,
 )
 PIECEWISE = dict(cuda_graph_mode="piecewise", piecewise_capture_sizes="8,16,32")
+INDUCTOR = dict(piecewise_compiler="inductor")
 
 
 # ---- buckets, settings, dispatch (pure) -------------------------------------------------
@@ -111,7 +112,7 @@ def _linears(gm: torch.fx.GraphModule) -> int:
 def test_graph_splits_at_each_attention_op(llama_ckpt: Path) -> None:
     """2 layers: [embed, norm, qkv, rope] attn [o_proj, add+norm, mlp, add+norm, qkv,
     rope] attn [o_proj, add+norm, mlp, final norm]; each attention alone in its item."""
-    llm = LLM(str(llama_ckpt), piecewise_compiler="eager", **PIECEWISE, **STRESS)
+    llm = LLM(str(llama_ckpt), **PIECEWISE, **STRESS)
     pw = llm.engine.worker.piecewise
     assert pw is not None and llm.engine.worker.graphs is None  # no decode graphs on CPU
     items = pw.compile_backend.items
@@ -269,7 +270,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def inductor_llm(ckpt3: Path, cache_dir: Path) -> Iterator[LLM]:
-    yield LLM(str(ckpt3), compile_cache_dir=str(cache_dir), **PIECEWISE, **STRESS)
+    yield LLM(str(ckpt3), compile_cache_dir=str(cache_dir), **INDUCTOR, **PIECEWISE, **STRESS)
 
 
 def test_inductor_pieces_match_eager_with_chunked_prefill_and_preemption(
@@ -323,6 +324,7 @@ def test_compiled_pieces_load_from_the_disk_cache(
         str(ckpt3),
         compile_cache_dir=str(cache_dir),
         piecewise_compile_sizes="16",
+        **INDUCTOR,
         **PIECEWISE,
         **STRESS,
     )
@@ -485,7 +487,7 @@ def test_a_closed_piecewise_engine_frees_its_model(llama_ckpt: Path) -> None:
     import gc
     import weakref
 
-    llm = LLM(str(llama_ckpt), piecewise_compiler="eager", **PIECEWISE, **STRESS)
+    llm = LLM(str(llama_ckpt), **PIECEWISE, **STRESS)
     assert llm.engine.worker.piecewise is not None
     _tokens(llm, PROMPTS[:2])
     weights = weakref.ref(llm.engine.worker.model.model.embed_tokens.weight)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvscale.server.config import EngineConfig
 
 CUDA_GRAPH_MODES = ("full_and_piecewise", "full_decode_only", "piecewise", "none")
-PIECE_COMPILERS = ("inductor", "eager")
+PIECE_COMPILERS = ("eager", "inductor")
 DEFAULT_SPLIT_OPS = ("kvscale::paged_attention",)
 # A mixed step of an 8B model takes ~15 ms to launch from Python (bench/NOTES.md e5); past
 # ~1k tokens its GEMMs take longer than that, the launch hides behind them and graphs stop
@@ -96,8 +96,8 @@ class CompilationConfig:
     """How the model is compiled and captured for mixed steps.
 
     ``capture_sizes``: token buckets captured as piecewise CUDA graphs, ascending.
-    ``compiler``: "inductor" or "eager" (the pieces run as traced, the elementwise kernels
-    as opaque custom ops: ``ops.routing_for_tracing``).
+    ``compiler``: "eager" (the pieces run as traced, the elementwise kernels as opaque
+    custom ops: ``ops.routing_for_tracing``) or "inductor" (Inductor fuses each piece).
     ``compile_sizes``: buckets each piece is also compiled for with static shapes
     (Inductor only); every other bucket runs the one dynamic-shape compilation.
     ``split_ops``: custom ops the graph is split at (``namespace::name``); they run
@@ -107,7 +107,7 @@ class CompilationConfig:
     """
 
     capture_sizes: tuple[int, ...]
-    compiler: str = "inductor"
+    compiler: str = "eager"
     compile_sizes: tuple[int, ...] = ()
     split_ops: tuple[str, ...] = DEFAULT_SPLIT_OPS
     cache_dir: str | None = None
