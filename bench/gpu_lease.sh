@@ -143,13 +143,28 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r83 (one GPU: an H100 where lent, else one H200; ~13 minutes; NOTES e72): the traced
-# pieces now traced through the Triton kernels as opaque custom ops. Their GPU tests (the
-# piecewise file runs the eager compiler; the custom ops natively), then B default, with
-# traced pieces and with Inductor's (each from an empty compile cache), alternated; D at
-# c=256 default and with traced pieces on the same host; then what r82 could not run: the
-# host's time a GEMM call under each library (e67) and D under cuBLAS; the host's time a
-# Triton launch through the wrapper, JITFunction.run and the compiled launcher (e70).
+# r84 (2 x H200, ~11 minutes; NOTES e73): the piecewise GPU tests with the traced pieces as
+# the default compiler (GPU 1, beside the checkpoint's writing on GPU 0); then on GPU 0 alone
+# D at c=256 default and with pieces, alternated twice, and B once more each; last C at
+# TP=1 and TP=2 alternated twice (issue 24's ratio; r82b ran one round).
+plan_r84() {
+  facts
+  ckpt_beside tests-pieces 300 env CUDA_VISIBLE_DEVICES=1 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
+  local round
+  for round in 1 2; do
+    serve_d "d-$round" CUDA_VISIBLE_DEVICES=0
+    step "d-pieces-$round" 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/engine_bench.py \
+      --out-dir "$RES/d-pieces-$round" --ckpt "$CKPT" --phases serve-pieces-eager \
+      --piecewise-concurrency 256
+  done
+  run_phase b-3 120 b CUDA_VISIBLE_DEVICES=0
+  run_phase b-pieces-eager-3 150 b-pieces-eager CUDA_VISIBLE_DEVICES=0
+  for round in 1 2; do
+    run_phase "c-tp1-$round" 150 c
+    run_phase "c-tp2-$round" 200 c-tp2
+  done
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
