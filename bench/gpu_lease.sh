@@ -143,26 +143,12 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r84 (2 x H200, ~11 minutes; NOTES e73): the piecewise GPU tests with the traced pieces as
-# the default compiler (GPU 1, beside the checkpoint's writing on GPU 0); then on GPU 0 alone
-# D at c=256 default and with pieces, alternated twice, and B once more each; last C at
-# TP=1 and TP=2 alternated twice (issue 24's ratio; r82b ran one round).
-plan_r84() {
+# r85 (one H200, ~6 minutes, the session's last device time; NOTES e74): the default mode is
+# now auto (piecewise graphs for plain models on one GPU): the GPU files whose engines are
+# plain models, with the new default.
+plan_r85() {
   facts
-  ckpt_beside tests-pieces 300 env CUDA_VISIBLE_DEVICES=1 "${PT[@]}" tests/gpu/test_piecewise_cuda.py
-  local round
-  for round in 1 2; do
-    serve_d "d-$round" CUDA_VISIBLE_DEVICES=0
-    step "d-pieces-$round" 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/engine_bench.py \
-      --out-dir "$RES/d-pieces-$round" --ckpt "$CKPT" --phases serve-pieces-eager \
-      --piecewise-concurrency 256
-  done
-  run_phase b-3 120 b CUDA_VISIBLE_DEVICES=0
-  run_phase b-pieces-eager-3 150 b-pieces-eager CUDA_VISIBLE_DEVICES=0
-  for round in 1 2; do
-    run_phase "c-tp1-$round" 150 c
-    run_phase "c-tp2-$round" 200 c-tp2
-  done
+  step tests-default 320 "${PT[@]}" tests/gpu/test_piecewise_cuda.py tests/gpu/test_engine_cuda.py
 }
 
 case "$1" in

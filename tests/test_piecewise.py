@@ -16,6 +16,7 @@ import torch
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.compilation.config import (
     CompilationConfig,
+    auto_graph_mode,
     bucket_for,
     default_capture_sizes,
 )
@@ -74,6 +75,36 @@ def test_buckets_and_dispatch_are_general_over_token_counts() -> None:
     assert d.dispatch(1025) == Dispatch("eager", 0)
     none = GraphDispatcher()
     assert none.decode_size(1) == 0 and none.dispatch(8) == Dispatch("eager", 0)
+
+
+PLAIN = dict(
+    cuda=True,
+    triton=True,
+    quantized=False,
+    kv_quantized=False,
+    tensor_parallel=False,
+    speculative=False,
+    compiled=False,
+)
+
+
+def test_auto_takes_piecewise_graphs_only_where_they_are_tested() -> None:
+    assert auto_graph_mode(**PLAIN) == ("full_and_piecewise", "an unquantized model on one GPU")
+    flips = {"cuda": False, "triton": False}
+    for name in PLAIN:
+        mode, why = auto_graph_mode(**{**PLAIN, name: flips.get(name, True)})
+        assert mode == "full_decode_only", name
+        assert why.startswith("piecewise graphs are not tested with "), why
+    _, why = auto_graph_mode(**{**PLAIN, "quantized": True, "speculative": True})
+    assert why.endswith("quantized weights, speculative decoding")
+
+
+def test_auto_on_cpu_runs_as_before(llama_ckpt: Path) -> None:
+    """The default mode on CPU resolves to whole-model decode graphs (none captured there)."""
+    llm = LLM(str(llama_ckpt), **STRESS)
+    w = llm.engine.worker
+    assert llm.engine.config.engine.cuda_graph_mode == "auto"
+    assert w.cuda_graph_mode == "full_decode_only" and w.piecewise is None
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvscale.server.config import EngineConfig
 
-CUDA_GRAPH_MODES = ("full_and_piecewise", "full_decode_only", "piecewise", "none")
+CUDA_GRAPH_MODES = ("auto", "full_and_piecewise", "full_decode_only", "piecewise", "none")
 PIECE_COMPILERS = ("eager", "inductor")
 DEFAULT_SPLIT_OPS = ("kvscale::paged_attention",)
 # A mixed step of an 8B model takes ~15 ms to launch from Python (bench/NOTES.md e5); past
@@ -154,6 +154,38 @@ class CompilationConfig:
             cache_dir=eng.compile_cache_dir or None,
             debug=eng.compile_debug,
         )
+
+
+def auto_graph_mode(
+    *,
+    cuda: bool,
+    triton: bool,
+    quantized: bool,
+    kv_quantized: bool,
+    tensor_parallel: bool,
+    speculative: bool,
+    compiled: bool,
+) -> tuple[str, str]:
+    """What ``cuda_graph_mode='auto'`` runs, and why: piecewise graphs for mixed steps
+    where they are GPU-tested and measured (an unquantized model with a 16-bit KV cache on
+    one CUDA GPU, the Triton backend, no speculation, no ``--compile``: bench/NOTES.md
+    e72, e73), whole-model decode graphs alone otherwise."""
+    reasons = [
+        why
+        for why, applies in (
+            ("not on a CUDA GPU", not cuda),
+            ("not the Triton attention backend", not triton),
+            ("quantized weights", quantized),
+            ("a quantized KV cache", kv_quantized),
+            ("tensor parallelism", tensor_parallel),
+            ("speculative decoding", speculative),
+            ("--compile", compiled),
+        )
+        if applies
+    ]
+    if reasons:
+        return "full_decode_only", "piecewise graphs are not tested with " + ", ".join(reasons)
+    return "full_and_piecewise", "an unquantized model on one GPU"
 
 
 def check_engine_settings(eng: EngineConfig) -> None:

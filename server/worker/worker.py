@@ -29,7 +29,7 @@ import torch
 from kvscale.server.attention.backend import get_backend
 from kvscale.server.attention.forward_context import forward_context
 from kvscale.server.attention.metadata import AttentionMetadata
-from kvscale.server.compilation.config import CompilationConfig
+from kvscale.server.compilation.config import CompilationConfig, auto_graph_mode
 from kvscale.server.config import ResolvedConfig
 from kvscale.server.engine.core_outputs import RowLogprobs
 from kvscale.server.layers import ops
@@ -209,6 +209,18 @@ class Worker:
         self.model = load_model(config.model, eng.model, self.dtype, device, parallel, quant)
         self.compiled = eng.compile
         mode = "none" if eng.enforce_eager else eng.cuda_graph_mode
+        if mode == "auto":
+            mode, why = auto_graph_mode(
+                cuda=device.type == "cuda",
+                triton=self.backend.name == "triton",
+                quantized=quant is not None,
+                kv_quantized=config.kv_cache_dtype.itemsize < 2,
+                tensor_parallel=parallel.world_size > 1,
+                speculative=eng.speculative_method is not None,
+                compiled=eng.compile,
+            )
+            log.info("cuda graph mode: auto -> %s (%s)", mode, why)
+        self.cuda_graph_mode = mode  # as resolved
         piecewise = mode in ("full_and_piecewise", "piecewise")
         if eng.compile and not piecewise:
             # Attention stays an opaque custom op (see layers/attention.py); token counts
