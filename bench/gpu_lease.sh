@@ -143,14 +143,6 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r85 (one H200, ~6 minutes, the session's last device time; NOTES e74): the default mode is
-# now auto (piecewise graphs for plain models on one GPU): the GPU files whose engines are
-# plain models, with the new default.
-plan_r85() {
-  facts
-  step tests-default 320 "${PT[@]}" tests/gpu/test_piecewise_cuda.py tests/gpu/test_engine_cuda.py
-}
-
 case "$1" in
   start)
     rm -f "$RES/finished"

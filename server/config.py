@@ -147,7 +147,7 @@ class EngineConfig:
         256, "largest decode batch captured as a CUDA graph; 0 = none", min=0
     )
     cuda_graph_mode: str = setting(
-        "auto",
+        "full_decode_only",
         "auto (full_and_piecewise for an unquantized model on one GPU without speculation, "
         "else full_decode_only) | "
         "full_and_piecewise (decode-only steps replay a whole-model graph, other steps up to "

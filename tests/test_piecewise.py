@@ -99,11 +99,10 @@ def test_auto_takes_piecewise_graphs_only_where_they_are_tested() -> None:
     assert why.endswith("quantized weights, speculative decoding")
 
 
-def test_auto_on_cpu_runs_as_before(llama_ckpt: Path) -> None:
-    """The default mode on CPU resolves to whole-model decode graphs (none captured there)."""
-    llm = LLM(str(llama_ckpt), **STRESS)
+def test_auto_on_cpu_runs_as_the_default(llama_ckpt: Path) -> None:
+    """``auto`` on CPU resolves to whole-model decode graphs (none captured there)."""
+    llm = LLM(str(llama_ckpt), cuda_graph_mode="auto", **STRESS)
     w = llm.engine.worker
-    assert llm.engine.config.engine.cuda_graph_mode == "auto"
     assert w.cuda_graph_mode == "full_decode_only" and w.piecewise is None
 
 

@@ -106,11 +106,18 @@ def test_piecewise_graphs_match_eager_fp32(
 def test_auto_mode_takes_both_kinds_of_graphs_for_a_plain_model(
     checkpoint_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """The default mode on one GPU with an unquantized model: decode graphs for decode-only
-    steps, piecewise graphs of the traced pieces for mixed ones, the eager tokens."""
+    """``auto`` on one GPU with an unquantized model: decode graphs for decode-only steps,
+    piecewise graphs of the traced pieces for mixed ones, the eager tokens."""
     path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
     eager, _, _ = _run(path, "float32", cuda_graph_mode="none", **STRESS)
-    got, llm, kinds = _run(path, "float32", compile_cache_dir=str(tmp_path), **PIECEWISE, **STRESS)
+    got, llm, kinds = _run(
+        path,
+        "float32",
+        cuda_graph_mode="auto",
+        compile_cache_dir=str(tmp_path),
+        **PIECEWISE,
+        **STRESS,
+    )
     w = llm.engine.worker
     assert w.cuda_graph_mode == "full_and_piecewise"
     assert w.piecewise is not None and w.graphs is not None
