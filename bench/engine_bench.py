@@ -134,8 +134,19 @@ TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce", "c-tp2")
 # ``b``: C, A or B alone, for engines compared one process each; ``b-pieces`` and
 # ``b-pieces-eager``: B with piecewise graphs of Inductor's or of the traced (eager) pieces,
 # each from an empty compile cache (start-up included); ``serve-pieces-eager``: D with the
-# latter at --piecewise-concurrency
-NAMED_PHASES = ("spec-device", "c", "a", "b", "b-pieces", "b-pieces-eager", "serve-pieces-eager")
+# latter at --piecewise-concurrency; ``c-auto`` and ``decode-kernels-auto``: C and its step
+# by kernel under ``cuda_graph_mode=auto`` (NOTES e74)
+NAMED_PHASES = (
+    "spec-device",
+    "c",
+    "a",
+    "b",
+    "b-pieces",
+    "b-pieces-eager",
+    "serve-pieces-eager",
+    "c-auto",
+    "decode-kernels-auto",
+)
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
 ALLREDUCE_STEPS = 20
@@ -1851,6 +1862,8 @@ def main(argv: list[str] | None = None) -> int:
             ckpt, out, lambda **kw: _llm(ckpt, **kw), _close
         ),
         "c": lambda: phase_ours(ckpt, "C"),
+        "c-auto": lambda: phase_ours(ckpt, "C", cuda_graph_mode="auto"),
+        "decode-kernels-auto": lambda: phase_decode_kernels(ckpt, cuda_graph_mode="auto"),
         "a": lambda: phase_ours(ckpt, "A"),
         "b": lambda: phase_ours(ckpt, "B"),
         "b-pieces": lambda: phase_b_pieces(ckpt, out / "compile-cache-b", "inductor"),

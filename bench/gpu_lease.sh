@@ -143,6 +143,21 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
+# r86 (one H200 or H100, ~6 minutes; NOTES "e73 and e74 measured"): is a batch-1 decode
+# step slower when piecewise graphs were captured too? C default against auto, alternated
+# twice on one machine, an engine a process; then the decode step by kernel under each.
+plan_r86() {
+  facts
+  ckpt_write
+  local round
+  for round in 1 2; do
+    run_phase "c-$round" 150 c
+    run_phase "c-auto-$round" 150 c-auto
+  done
+  run_phase kernels-default 150 decode-kernels
+  run_phase kernels-auto 150 decode-kernels-auto
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
