@@ -333,18 +333,33 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def summarize_steps(steps: list[tuple[float, float, int, int]]) -> dict[str, Any]:
-    """Per-step ``(step_s, wait_s, decode_rows, prefill_tokens)`` of the batch each step
-    launched (``wait_s``: time blocked on the previous step's tokens, i.e. GPU time the
-    host could not hide) -> counts and mean times (ms) of pure-decode and mixed steps,
-    and the mean host time per step (step minus wait)."""
+# (step_s, wait_s, decode_rows, prefill_tokens[, gpu_s]) of one engine step
+Step = tuple[Any, ...]
+
+
+def summarize_steps(steps: list[Step]) -> dict[str, Any]:
+    """Per-step ``(step_s, wait_s, decode_rows, prefill_tokens[, gpu_s])`` of the batch
+    each step launched (``wait_s``: time blocked on the previous step's tokens, i.e. GPU
+    time the host could not hide; ``gpu_s``: the stream's time from the step's first launch
+    to its last one's end, None where not timed) -> counts and mean times (ms) of
+    pure-decode and mixed steps, and the mean host time per step (step minus wait). A
+    step's wait belongs to the step before it, so only ``gpu_ms`` compares one kind of
+    step across engine settings (NOTES "e68 and e71 measured")."""
     decode = [x for x in steps if x[3] == 0]
     mixed = [x for x in steps if x[3] > 0]
 
     def mean_ms(xs: list[float]) -> float:
         return 1e3 * statistics.fmean(xs) if xs else 0.0
 
+    gpu: dict[str, Any] = {}
+    if steps and all(len(x) > 4 and x[4] is not None for x in steps):
+        gpu = {
+            "decode_gpu_ms": mean_ms([x[4] for x in decode]),
+            "prefill_gpu_ms": mean_ms([x[4] for x in mixed]),
+            "total_gpu_s": sum(x[4] for x in steps),
+        }
     return {
+        **gpu,
         "num_steps": len(steps),
         "decode_steps": len(decode),
         "decode_step_ms": mean_ms([x[0] for x in decode]),
@@ -737,20 +752,31 @@ def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- GPU runs
-def _instrument(eng: Any) -> list[tuple[float, float, int, int]]:
-    """Times each engine step and the wait for the previous step's tokens inside it."""
+def _instrument(eng: Any) -> list[Step]:
+    """Times each engine step and the wait for the previous step's tokens inside it; on
+    CUDA also its forward's stream time, as a pair of events (``gpu_times`` reads them)."""
+    import torch
+
     from kvscale.server.worker.worker import PendingStep
 
-    steps: list[tuple[float, float, int, int]] = []
+    steps: list[Step] = []
     last: dict[str, Any] = {}
     # every step's forward pass goes through Worker.forward (launch() calls it too)
     forward, step, result = eng.worker.forward, eng.step, PendingStep.result
+    cuda = eng.worker.device.type == "cuda"
 
     def timed_forward(step_input: Any) -> Any:
         n = step_input.new_tokens_per_seq
         last["decode"] = sum(1 for x in n if x == 1)
         last["prefill"] = sum(x for x in n if x > 1)
-        return forward(step_input)
+        if not cuda:
+            return forward(step_input)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        out = forward(step_input)
+        end.record()
+        last["events"] = (start, end)
+        return out
 
     def timed_result(self: Any) -> Any:
         t0 = time.perf_counter()
@@ -764,12 +790,23 @@ def _instrument(eng: Any) -> list[tuple[float, float, int, int]]:
         out = step()
         if "decode" in last:
             dt_s = time.perf_counter() - t0
-            steps.append((dt_s, last.get("wait", 0.0), last["decode"], last["prefill"]))
+            steps.append(
+                (dt_s, last.get("wait", 0.0), last["decode"], last["prefill"], last.get("events"))
+            )
         return out
 
     eng.worker.forward, eng.step = timed_forward, timed_step
     PendingStep.result = timed_result  # type: ignore[method-assign]
     return steps
+
+
+def gpu_times(steps: list[Step]) -> list[Step]:
+    """``steps`` with each step's pair of CUDA events (``_instrument``) read as seconds;
+    call after the device is synchronized."""
+    return [
+        (*x[:4], x[4][0].elapsed_time(x[4][1]) / 1e3 if len(x) > 4 and x[4] else None)
+        for x in steps
+    ]
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -868,7 +905,7 @@ def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
         "requests_per_s": len(prompts) / wall,
         "preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_cache_hit_rate": _hit_rate(before, after),
-        "steps": summarize_steps(steps),
+        "steps": summarize_steps(gpu_times(steps)),
     }
 
 
@@ -1071,7 +1108,7 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
             "output_tok_per_s": n_out / wall,
             "fill_calls": len(fill_s),
             "fill_ms_mean": 1e3 * statistics.fmean(fill_s) if fill_s else 0.0,
-            "steps": summarize_steps(steps),
+            "steps": summarize_steps(gpu_times(steps)),
         }
         eng.worker.forward = type(eng.worker).forward.__get__(eng.worker)  # undo _instrument
         eng.step = type(eng).step.__get__(eng)

@@ -143,9 +143,10 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r86 (one H200 or H100, ~6 minutes; NOTES "e73 and e74 measured"): is a batch-1 decode
-# step slower when piecewise graphs were captured too? C default against auto, alternated
-# twice on one machine, an engine a process; then the decode step by kernel under each.
+# r86 (one H200 or H100, ~9 minutes; NOTES "e73 and e74 measured", e75): is a decode step
+# slower when piecewise graphs were captured too? C default against auto, alternated twice
+# on one machine, an engine a process; the decode step by kernel under each; then B default
+# and with pieces, whose steps now carry their GPU time (decode_gpu_ms).
 plan_r86() {
   facts
   ckpt_write
@@ -156,6 +157,8 @@ plan_r86() {
   done
   run_phase kernels-default 150 decode-kernels
   run_phase kernels-auto 150 decode-kernels-auto
+  run_phase b-1 120 b
+  run_phase b-pieces-eager-1 150 b-pieces-eager
 }
 
 case "$1" in

@@ -130,6 +130,31 @@ def test_step_summary_splits_decode_and_prefill_steps() -> None:
     assert s["decode_wait_ms"] == pytest.approx(16.0)
     assert s["host_ms"] == pytest.approx((5 + 3 + 10) / 3)
     assert eb.summarize_steps([])["decode_step_ms"] == 0.0
+    assert "decode_gpu_ms" not in s  # no GPU time taken
+
+
+class _Event:
+    def __init__(self, t_ms: float) -> None:
+        self.t_ms = t_ms
+
+    def elapsed_time(self, end: _Event) -> float:
+        return end.t_ms - self.t_ms
+
+
+def test_step_summary_reads_each_steps_gpu_time_from_its_events() -> None:
+    steps = [
+        (0.02, 0.015, 256, 0, (_Event(0.0), _Event(6.0))),
+        (0.02, 0.017, 256, 0, (_Event(10.0), _Event(18.0))),
+        (0.2, 0.19, 16, 8000, (_Event(20.0), _Event(120.0))),
+    ]
+    timed = eb.gpu_times(steps)
+    assert [x[4] for x in timed] == pytest.approx([0.006, 0.008, 0.1])
+    s = eb.summarize_steps(timed)
+    assert s["decode_gpu_ms"] == pytest.approx(7.0)
+    assert s["prefill_gpu_ms"] == pytest.approx(100.0)
+    assert s["total_gpu_s"] == pytest.approx(0.114)
+    # a step without events (CPU) leaves the GPU fields out
+    assert "decode_gpu_ms" not in eb.summarize_steps(eb.gpu_times([*steps, (0.1, 0.0, 1, 0, None)]))
 
 
 def _serve_result(tpot: float, tok_s: float, failed: int = 0) -> dict:
