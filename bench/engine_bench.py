@@ -48,6 +48,7 @@ import gc
 import json
 import math
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -1846,6 +1847,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
     ap.add_argument("--piecewise-concurrency", default=",".join(map(str, PIECEWISE_CONCURRENCIES)))
     ap.add_argument("--report", action="store_true", help="write engine.md/.json and the plot")
+    ap.add_argument(
+        "--serve-args",
+        default="",
+        help="more kvscale serve flags for the serve and serve-pieces-eager phases, one string",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -1856,6 +1862,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown phases {sorted(unknown)}; known: {known}")
     ckpt = Path(args.ckpt)
     conc = [int(c) for c in args.concurrency.split(",")]
+    serve_args = shlex.split(args.serve_args)
     if phases:
         ensure_checkpoint(ckpt)
     if "ckpt" in phases:
@@ -1865,7 +1872,7 @@ def main(argv: list[str] | None = None) -> int:
     runners: dict[str, Callable[[], Any]] = {
         "ceilings": phase_ceilings,
         "ours": lambda: phase_ours(ckpt),
-        "serve": lambda: phase_serve(ckpt, out, conc),
+        "serve": lambda: phase_serve(ckpt, out, conc, extra=serve_args),
         "peer-latency": lambda: phase_peer_latency(ckpt),
         "peer-a": lambda: phase_peer_a(ckpt),
         "peer-b": lambda: phase_peer_b(ckpt),
@@ -1909,7 +1916,13 @@ def main(argv: list[str] | None = None) -> int:
             ckpt,
             out,
             [int(c) for c in args.piecewise_concurrency.split(",")],
-            extra=["--cuda-graph-mode", PIECEWISE_MODE, "--piecewise-compiler", "eager"],
+            extra=[
+                "--cuda-graph-mode",
+                PIECEWISE_MODE,
+                "--piecewise-compiler",
+                "eager",
+                *serve_args,
+            ],
             tag="pieces-eager",
         ),
         "c-tp2": lambda: phase_ours(ckpt, "C", tensor_parallel_size=2),

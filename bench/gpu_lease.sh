@@ -143,10 +143,11 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r86 (one H200 or H100, ~9 minutes; NOTES "e73 and e74 measured", e75): is a decode step
+# r86 (one H200 or H100, ~13 minutes; NOTES "e73 and e74 measured", e75): is a decode step
 # slower when piecewise graphs were captured too? C default against auto, alternated twice
 # on one machine, an engine a process; the decode step by kernel under each; then B default
-# and with pieces, whose steps now carry their GPU time (decode_gpu_ms).
+# and with pieces, whose steps now carry their GPU time (decode_gpu_ms); D with pieces at
+# three prefill chunk sizes (e76).
 plan_r86() {
   facts
   ckpt_write
@@ -159,6 +160,14 @@ plan_r86() {
   run_phase kernels-auto 150 decode-kernels-auto
   run_phase b-1 120 b
   run_phase b-pieces-eager-1 150 b-pieces-eager
+  # D at c=256 with pieces and prefill chunks that every piece covers (1,024 tokens) or
+  # twice that, against pieces at the default 8,192 (e76)
+  local chunk
+  for chunk in 8192 1024 2048; do
+    step "d-pieces-$chunk" 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-$chunk" \
+      --ckpt "$CKPT" --phases serve-pieces-eager --piecewise-concurrency 256 \
+      --serve-args="--max-num-batched-tokens $chunk"
+  done
 }
 
 case "$1" in
