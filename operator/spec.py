@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvscale.operator import admission
+from kvscale.operator import admission, server_flags
 
 TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cuda", "cpu")
@@ -365,6 +365,9 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
         why = admission.smuggled_flag(arg)
         if why is not None:
             raise _err(f"{path}.extraArgs", why)
+    why = server_flags.extra_args_error(extra)
+    if why is not None:
+        raise _err(f"{path}.extraArgs", why)
     max_num_seqs = _bounded(raw, "maxNumSeqs", path, 256)
     max_batched = _bounded(raw, "maxNumBatchedTokens", path, None)
     if max_batched is not None and max_batched < max_num_seqs:

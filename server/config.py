@@ -440,8 +440,10 @@ def _check_setting(f: Field[Any], value: Any, hint: Any) -> None:
         raise ValueError(f"{f.name} must be true or false, got {value!r}")
     if base is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{f.name} must be an integer, got {value!r}")
-    if base is float and (isinstance(value, bool) or not isinstance(value, int | float)):
-        raise ValueError(f"{f.name} must be a number, got {value!r}")
+    if base is float and (
+        isinstance(value, bool) or not isinstance(value, int | float) or value != value
+    ):
+        raise ValueError(f"{f.name} must be a number, got {value!r}")  # NaN passes no bound
     if base is str and not isinstance(value, str):
         raise ValueError(f"{f.name} must be a string, got {value!r}")
     if meta["choices"] is not None and value not in meta["choices"]:
@@ -451,7 +453,9 @@ def _check_setting(f: Field[Any], value: Any, hint: Any) -> None:
     if lo is not None and (value <= lo if meta["min_exclusive"] else value < lo):
         if hi is not None:
             raise ValueError(f"{f.name} must be in {low}{lo}, {hi}], got {value!r}")
-        raise ValueError(f"{f.name} must be >= {lo}, got {value!r}")
+        raise ValueError(
+            f"{f.name} must be {'>' if meta['min_exclusive'] else '>='} {lo}, got {value!r}"
+        )
     if hi is not None and value > hi:
         raise ValueError(f"{f.name} must be in {low}{lo}, {hi}], got {value!r}")
 

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 from kvscale.server.config import EngineConfig
 
@@ -25,26 +26,49 @@ class UsageError(ValueError):
     """A flag value the server cannot start with (exit code 2)."""
 
 
+@dataclass(frozen=True)
+class Bound:
+    """Allowed values of a number flag: ``lo``/``hi`` inclusive unless ``lo_exclusive``;
+    None (the flag's unset default) always passes."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_exclusive: bool = False
+
+    def refusal(self, flag: str, value: float | None) -> str | None:
+        """Why ``flag``'s ``value`` is refused, or None."""
+        if value is None:
+            return None
+        if value != value:
+            return f"{flag} must be a number, got {value}"
+        low = self.lo is not None and (value <= self.lo if self.lo_exclusive else value < self.lo)
+        if not low and (self.hi is None or value <= self.hi):
+            return None
+        if self.lo is not None and self.hi is not None:
+            return f"{flag} must be in [{self.lo:g}, {self.hi:g}], got {value}"
+        return f"{flag} must be {'>' if self.lo_exclusive else '>='} {self.lo:g}, got {value}"
+
+
+# The bounds of the server's own number flags (EngineConfig's settings carry theirs); the
+# operator's table of server flags is generated from both (kvscale.operator.server_flags).
+FLAG_BOUNDS = {
+    "--port": Bound(0, 65535),
+    "--max-queue-len": Bound(1),
+    "--drain-timeout": Bound(0),
+    "--max-request-body-bytes": Bound(0),  # 0: no limit
+    "--max-header-bytes": Bound(1024),
+    "--request-read-timeout": Bound(0, lo_exclusive=True),
+    "--engine-stall-timeout": Bound(0, lo_exclusive=True),
+}
+
+
 def check_flags(args: argparse.Namespace) -> EngineConfig:
     """Rejects impossible server flags; returns the engine settings, which validate
     themselves (unsupported features and bad values raise ValueError: exit code 2)."""
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_queue_len is not None and args.max_queue_len < 1:
-        raise UsageError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
-    if args.drain_timeout < 0:
-        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    if args.max_request_body_bytes is not None and args.max_request_body_bytes < 0:
-        raise UsageError(
-            f"--max-request-body-bytes must be >= 0 (0: no limit), got "
-            f"{args.max_request_body_bytes}"
-        )
-    if args.max_header_bytes < 1024:
-        raise UsageError(f"--max-header-bytes must be >= 1024, got {args.max_header_bytes}")
-    if not args.request_read_timeout > 0:
-        raise UsageError(f"--request-read-timeout must be > 0, got {args.request_read_timeout}")
-    if not args.engine_stall_timeout > 0:
-        raise UsageError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
+    for flag, bound in FLAG_BOUNDS.items():
+        why = bound.refusal(flag, getattr(args, flag[2:].replace("-", "_")))
+        if why is not None:
+            raise UsageError(why)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise UsageError(f"--chat-template: no such file {args.chat_template!r}")
     return EngineConfig.from_args(args)
