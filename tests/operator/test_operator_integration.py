@@ -565,13 +565,47 @@ def test_hostile_specs_are_refused_by_the_api_server(
     assert cluster.llmd(NS, "hostile") is None
 
 
+def test_a_server_flag_value_the_server_would_refuse_makes_no_pods(cluster: Cluster) -> None:
+    """The CRD cannot check extraArgs' values; the operator does (a table of the server's
+    flags): the spec is Degraded with the reason and no Deployment is made."""
+    body = {
+        "apiVersion": LLMD_API,
+        "kind": "LLMDeployment",
+        "metadata": {"name": "badflag", "namespace": NS},
+        "spec": {
+            "model": {"source": "builtin://demo"},
+            "engine": {"extraArgs": ["--cuda-graph-mode", "fast"]},
+        },
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+    degraded = wait_for(
+        lambda: (
+            cluster.condition(NS, "badflag", c.DEGRADED).get("status") == "True"
+            and cluster.condition(NS, "badflag", c.DEGRADED)
+        ),
+        what="badflag Degraded",
+    )
+    assert degraded["reason"] == "InvalidSpec", degraded
+    assert "spec.engine.extraArgs: --cuda-graph-mode must be one of auto" in degraded["message"]
+    assert _deployment(cluster, "badflag") is None
+    cluster.kubectl("delete", "llmdeployment", "badflag", "-n", NS)
+    wait_for(lambda: cluster.llmd(NS, "badflag") is None, what="badflag deleted")
+
+
 def test_operator_log_has_no_errors(cluster: Cluster) -> None:
     log = Path(cluster.operator.log).read_text()
     lines = log.splitlines()
     assert not [line for line in lines if "Traceback" in line]
     # Kopf logs the retries it was asked for (missing Secrets, the injected 500) as errors;
     # anything else would be a crash.
-    errors = [line for line in lines if "[ERROR" in line and "failed temporarily" not in line]
+    # ... and the one invalid spec made on purpose (failed permanently: nothing to retry)
+    errors = [
+        line
+        for line in lines
+        if "[ERROR" in line
+        and "failed temporarily" not in line
+        and "invalid spec: spec.engine.extraArgs: --cuda-graph-mode" not in line
+    ]
     assert errors == [], "\n".join(errors)
     retries = [line for line in lines if "failed temporarily" in line]
     assert retries and all(("Secret ml/" in line or "500" in line) for line in retries)
