@@ -129,14 +129,13 @@ def _is_value(item: str) -> bool:
     return True
 
 
-def extra_args_error(args: Sequence[str], flags: dict[str, Flag] | None = None) -> str | None:
+def extra_args_error(args: Sequence[str]) -> str | None:
     """Why ``kvscale serve`` would refuse these extra flags (each flag and each value one
-    item), or None. ``flags``: the table (default: ``FLAGS``)."""
-    table = FLAGS if flags is None else flags
+    item), or None."""
     i = 0
     while i < len(args):
         flag = args[i]
-        spec = table.get(flag)
+        spec = FLAGS.get(flag)
         if spec is None:
             if _is_value(flag):
                 return f"{flag!r} is not a flag: values follow the flag that takes them"
