@@ -1118,6 +1118,21 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
     return res
 
 
+# engine settings of every in-process engine, from --engine-arg KEY=VALUE (main sets it)
+ENGINE_ARGS: dict[str, Any] = {}
+
+
+def parse_engine_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (KEY, VALUE as JSON where it parses, else the string)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--engine-arg takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
 def _llm(ckpt: Path, **kw: Any) -> Any:
     from kvscale.server import LLM
 
@@ -1127,7 +1142,7 @@ def _llm(ckpt: Path, **kw: Any) -> Any:
         max_num_seqs=MAX_NUM_SEQS,
         gpu_memory_utilization=0.9,
     )
-    return LLM(str(ckpt), **{**settings, **kw})
+    return LLM(str(ckpt), **{**settings, **ENGINE_ARGS, **kw})
 
 
 def _close(llm: Any) -> None:
@@ -1848,6 +1863,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--piecewise-concurrency", default=",".join(map(str, PIECEWISE_CONCURRENCIES)))
     ap.add_argument("--report", action="store_true", help="write engine.md/.json and the plot")
     ap.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting of every in-process engine (e.g. max_num_batched_tokens=1024)",
+    )
+    ap.add_argument(
         "--serve-args",
         default="",
         help="more kvscale serve flags for the serve and serve-pieces-eager phases, one string",
@@ -1863,6 +1885,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Path(args.ckpt)
     conc = [int(c) for c in args.concurrency.split(",")]
     serve_args = shlex.split(args.serve_args)
+    ENGINE_ARGS.update(parse_engine_arg(a) for a in args.engine_arg)
     if phases:
         ensure_checkpoint(ckpt)
     if "ckpt" in phases:

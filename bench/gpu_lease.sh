@@ -143,11 +143,11 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
     --ckpt "$CKPT" --phases serve --concurrency 256
 }
 
-# r86 (one H200 or H100, ~13 minutes; NOTES "e73 and e74 measured", e75): is a decode step
+# r86 (one H200 or H100, ~16 minutes; NOTES "e73 and e74 measured", e75): is a decode step
 # slower when piecewise graphs were captured too? C default against auto, alternated twice
 # on one machine, an engine a process; the decode step by kernel under each; then B default
 # and with pieces, whose steps now carry their GPU time (decode_gpu_ms); D with pieces at
-# three prefill chunk sizes (e76).
+# three prefill chunk sizes, and A and B at 1,024 against the default (e76).
 plan_r86() {
   facts
   ckpt_write
@@ -167,6 +167,12 @@ plan_r86() {
     step "d-pieces-$chunk" 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-$chunk" \
       --ckpt "$CKPT" --phases serve-pieces-eager --piecewise-concurrency 256 \
       --serve-args="--max-num-batched-tokens $chunk"
+  done
+  # what 1,024-token steps cost the offline workloads (A: 256 prompts of 512 at once)
+  run_phase a-1 120 a
+  for w in a b; do
+    step "$w-1024" 150 python3 bench/engine_bench.py --out-dir "$RES/$w-1024" --ckpt "$CKPT" \
+      --phases "$w" --engine-arg max_num_batched_tokens=1024
   done
 }
 

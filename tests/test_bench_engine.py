@@ -569,3 +569,11 @@ def test_spec_table() -> None:
     assert [r["batch"] for r in rows] == [1, 256]
     table = sb.format_spec_table(res)
     assert "| draft-inprocess | 1 | 2.00 | 5.00 | 0.40x | 0.80 | 4.20 | 1.2% |" in table
+
+
+def test_engine_args_parse_as_json_where_they_can() -> None:
+    assert eb.parse_engine_arg("max_num_batched_tokens=1024") == ("max_num_batched_tokens", 1024)
+    assert eb.parse_engine_arg("cuda_graph_mode=auto") == ("cuda_graph_mode", "auto")
+    assert eb.parse_engine_arg("enforce_eager=true") == ("enforce_eager", True)
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        eb.parse_engine_arg("max_num_batched_tokens")
