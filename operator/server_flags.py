@@ -11,12 +11,13 @@ the wrong type, outside its choices or outside its bounds. Checks across flags (
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvscale.bounds import Bound
 
 
 @dataclass(frozen=True)
@@ -105,17 +106,12 @@ def _value_error(flag: str, spec: Flag, raw: str) -> str | None:
         value = _PARSE[spec.value or "str"](raw)
     except ValueError:
         return f"{flag} takes {'an' if spec.value == 'int' else 'a'} {spec.value}, got {raw!r}"
-    if isinstance(value, float) and math.isnan(value):
-        return f"{flag} must be a number, got {raw!r}"
     if spec.choices is not None and value not in spec.choices:
         allowed = ", ".join(map(str, spec.choices))
         return f"{flag} must be one of {allowed}, got {raw!r}"
-    low_bad = spec.lo is not None and (value <= spec.lo if spec.lo_exclusive else value < spec.lo)
-    if low_bad or (spec.hi is not None and value > spec.hi):
-        lo = "" if spec.lo is None else f"{'>' if spec.lo_exclusive else '>='} {spec.lo:g}"
-        hi = "" if spec.hi is None else f"<= {spec.hi:g}"
-        return f"{flag} must be {' and '.join(b for b in (lo, hi) if b)}, got {raw!r}"
-    return None
+    if spec.value == "str":
+        return None
+    return Bound(spec.lo, spec.hi, spec.lo_exclusive).refusal(flag, value)
 
 
 def _is_value(item: str) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvscale.bounds import Bound
 from kvscale.server.compilation.config import (
     CUDA_GRAPH_MODES,
     DEFAULT_PIECEWISE_MAX_TOKENS,
@@ -448,16 +449,10 @@ def _check_setting(f: Field[Any], value: Any, hint: Any) -> None:
         raise ValueError(f"{f.name} must be a string, got {value!r}")
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ValueError(f"{f.name} must be one of {meta['choices']}, got {value!r}")
-    lo, hi = meta["min"], meta["max"]
-    low = "(" if meta["min_exclusive"] else "["
-    if lo is not None and (value <= lo if meta["min_exclusive"] else value < lo):
-        if hi is not None:
-            raise ValueError(f"{f.name} must be in {low}{lo}, {hi}], got {value!r}")
-        raise ValueError(
-            f"{f.name} must be {'>' if meta['min_exclusive'] else '>='} {lo}, got {value!r}"
-        )
-    if hi is not None and value > hi:
-        raise ValueError(f"{f.name} must be in {low}{lo}, {hi}], got {value!r}")
+    if base in (int, float):
+        why = Bound(meta["min"], meta["max"], meta["min_exclusive"]).refusal(f.name, value)
+        if why is not None:
+            raise ValueError(why)
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

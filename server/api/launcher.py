@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 
+from kvscale.bounds import Bound
 from kvscale.server.config import EngineConfig
 
 log = logging.getLogger("kvscale.server")
@@ -24,29 +24,6 @@ KEEP_ALIVE_S = 5
 
 class UsageError(ValueError):
     """A flag value the server cannot start with (exit code 2)."""
-
-
-@dataclass(frozen=True)
-class Bound:
-    """Allowed values of a number flag: ``lo``/``hi`` inclusive unless ``lo_exclusive``;
-    None (the flag's unset default) always passes."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_exclusive: bool = False
-
-    def refusal(self, flag: str, value: float | None) -> str | None:
-        """Why ``flag``'s ``value`` is refused, or None."""
-        if value is None:
-            return None
-        if value != value:
-            return f"{flag} must be a number, got {value}"
-        low = self.lo is not None and (value <= self.lo if self.lo_exclusive else value < self.lo)
-        if not low and (self.hi is None or value <= self.hi):
-            return None
-        if self.lo is not None and self.hi is not None:
-            return f"{flag} must be in [{self.lo:g}, {self.hi:g}], got {value}"
-        return f"{flag} must be {'>' if self.lo_exclusive else '>='} {self.lo:g}, got {value}"
 
 
 # The bounds of the server's own number flags (EngineConfig's settings carry theirs); the

@@ -78,9 +78,9 @@ def test_the_table_and_the_server_refuse_the_same_values(flag: str) -> None:
         (["--seed", "--enforce-eager"], "--seed needs a value"),
         (["3"], "'3' is not a flag"),
         (["--enforce-eager", "yes"], "'yes' is not a flag"),
-        (["--num-kv-blocks", "0"], "--num-kv-blocks must be >= 1, got '0'"),
-        (["--max-header-bytes", "512"], "--max-header-bytes must be >= 1024, got '512'"),
-        (["--watchdog-timeout", "0"], "--watchdog-timeout must be > 0, got '0'"),
+        (["--num-kv-blocks", "0"], "--num-kv-blocks must be >= 1, got 0"),
+        (["--max-header-bytes", "512"], "--max-header-bytes must be >= 1024, got 512"),
+        (["--watchdog-timeout", "0"], "--watchdog-timeout must be > 0.0, got 0.0"),
         (["--engine-stall-timeout", "nan"], "--engine-stall-timeout must be a number"),
     ],
 )
