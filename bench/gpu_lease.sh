@@ -189,7 +189,7 @@ case "$1" in
     [ -f "$RES/finished" ] && echo "plan finished"
     for f in "$RES"/tests-*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 4 "$f"; }; done
     # one archive: the device tool returns at most 8 files
-    [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" --exclude=compile-cache \
+    [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" --exclude='compile-cache*' \
       --exclude='*.safetensors' -C "$RES" .
     ;;
   plan_*)
