@@ -441,10 +441,8 @@ def _check_setting(f: Field[Any], value: Any, hint: Any) -> None:
         raise ValueError(f"{f.name} must be true or false, got {value!r}")
     if base is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{f.name} must be an integer, got {value!r}")
-    if base is float and (
-        isinstance(value, bool) or not isinstance(value, int | float) or value != value
-    ):
-        raise ValueError(f"{f.name} must be a number, got {value!r}")  # NaN passes no bound
+    if base is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ValueError(f"{f.name} must be a number, got {value!r}")
     if base is str and not isinstance(value, str):
         raise ValueError(f"{f.name} must be a string, got {value!r}")
     if meta["choices"] is not None and value not in meta["choices"]:
