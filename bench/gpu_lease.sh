@@ -146,8 +146,8 @@ serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAM
 # r86 (one H200 or H100, ~16 minutes; NOTES "e73 and e74 measured", e75): is a decode step
 # slower when piecewise graphs were captured too? C default against auto, alternated twice
 # on one machine, an engine a process; the decode step by kernel under each; then B default
-# and with pieces, whose steps now carry their GPU time (decode_gpu_ms); D with pieces at
-# three prefill chunk sizes, and A and B at 1,024 against the default (e76).
+# and with pieces, whose steps now carry their GPU time (decode_gpu_ms); D by default and
+# with pieces at three prefill chunk sizes, and A and B at 1,024 against the default (e76).
 plan_r86() {
   facts
   ckpt_write
@@ -162,6 +162,7 @@ plan_r86() {
   run_phase b-pieces-eager-1 150 b-pieces-eager
   # D at c=256 with pieces and prefill chunks that every piece covers (1,024 tokens) or
   # twice that, against pieces at the default 8,192 (e76)
+  serve_d d-default
   local chunk
   for chunk in 8192 1024 2048; do
     step "d-pieces-$chunk" 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-$chunk" \
