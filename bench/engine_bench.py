@@ -43,6 +43,7 @@ functions tested on CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
@@ -839,8 +840,48 @@ def _free_gpu() -> None:
         torch.cuda.empty_cache()
 
 
+class GcPauses:
+    """The cyclic collector's passes while in the block (``gc.callbacks``): how many of
+    each generation, their total and longest pause (ms), and the objects it tracked at
+    the start. A pass inside a step that the GPU waits on lengthens that step."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.total_ms = 0.0
+        self.max_ms = 0.0
+        self.tracked = 0
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        ms = 1e3 * (time.perf_counter() - self._t0)
+        self.counts[info["generation"]] += 1
+        self.total_ms += ms
+        self.max_ms = max(self.max_ms, ms)
+
+    def __enter__(self) -> GcPauses:
+        self.tracked = len(gc.get_objects())
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "collections": self.counts,
+            "pause_ms_total": self.total_ms,
+            "pause_ms_max": self.max_ms,
+            "tracked_objects": self.tracked,
+            "frozen_objects": gc.get_freeze_count(),
+        }
+
+
 def _latency(llm: Any) -> dict[str, Any]:
-    """C: one warm-up then three timed batch-1 requests; medians."""
+    """C: one warm-up then three timed batch-1 requests; medians, and the collector's
+    passes during the timed ones (``GcPauses``)."""
     from kvscale.server import SamplingParams
 
     eng = llm.engine
@@ -848,12 +889,14 @@ def _latency(llm: Any) -> dict[str, Any]:
     prompt = _prompts(1, n_in, 0)[0]
     params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
     tpots, ttfts = [], []
+    pauses = GcPauses()
     for i in range(4):
         eng.add_request(f"lat{i}", prompt, params)
         out = None
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                out = o
+        with pauses if i > 0 else contextlib.nullcontext():
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    out = o
         assert out is not None and len(out.outputs[0].token_ids) == n_out
         m = out.metrics
         if i == 0:
@@ -864,6 +907,7 @@ def _latency(llm: Any) -> dict[str, Any]:
         "tpot_ms": 1e3 * statistics.median(tpots),
         "ttft_ms": 1e3 * statistics.median(ttfts),
         "runs": len(tpots),
+        "gc": pauses.summary(),
     }
 
 
@@ -1120,6 +1164,7 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
 
 # engine settings of every in-process engine, from --engine-arg KEY=VALUE (main sets it)
 ENGINE_ARGS: dict[str, Any] = {}
+GC_FREEZE = False  # --gc-freeze (main sets it)
 
 
 def parse_engine_arg(text: str) -> tuple[str, Any]:
@@ -1142,7 +1187,11 @@ def _llm(ckpt: Path, **kw: Any) -> Any:
         max_num_seqs=MAX_NUM_SEQS,
         gpu_memory_utilization=0.9,
     )
-    return LLM(str(ckpt), **{**settings, **ENGINE_ARGS, **kw})
+    llm = LLM(str(ckpt), **{**settings, **ENGINE_ARGS, **kw})
+    if GC_FREEZE:  # --gc-freeze: start-up's objects out of the collector's passes
+        gc.collect()
+        gc.freeze()
+    return llm
 
 
 def _close(llm: Any) -> None:
@@ -1870,6 +1919,11 @@ def main(argv: list[str] | None = None) -> int:
         help="an engine setting of every in-process engine (e.g. max_num_batched_tokens=1024)",
     )
     ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.collect() and gc.freeze() after building each in-process engine",
+    )
+    ap.add_argument(
         "--serve-args",
         default="",
         help="more kvscale serve flags for the serve and serve-pieces-eager phases, one string",
@@ -1886,6 +1940,8 @@ def main(argv: list[str] | None = None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     serve_args = shlex.split(args.serve_args)
     ENGINE_ARGS.update(parse_engine_arg(a) for a in args.engine_arg)
+    global GC_FREEZE
+    GC_FREEZE = args.gc_freeze
     if phases:
         ensure_checkpoint(ckpt)
     if "ckpt" in phases:

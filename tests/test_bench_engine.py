@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -360,6 +361,7 @@ def test_tp2_phase_runs_an_engine_over_two_cpu_ranks(
     res = eb.phase_ours(llama_ckpt, "CA", tensor_parallel_size=2)
     assert res["A"]["output_tokens"] == 4 * 3 and res["A"]["steps"]["num_steps"] > 0
     assert res["latency"]["tpot_ms"] > 0
+    assert len(res["latency"]["gc"]["collections"]) == 3  # the collector's passes, by generation
 
 
 def test_b_pieces_phase_starts_from_an_empty_compile_cache(
@@ -577,3 +579,18 @@ def test_engine_args_parse_as_json_where_they_can() -> None:
     assert eb.parse_engine_arg("enforce_eager=true") == ("enforce_eager", True)
     with pytest.raises(ValueError, match="KEY=VALUE"):
         eb.parse_engine_arg("max_num_batched_tokens")
+
+
+def test_gc_pauses_counts_each_generations_passes_and_their_time() -> None:
+    eb = load_bench("engine_bench")
+    with eb.GcPauses() as pauses:
+        gc.collect()  # one full pass
+        gc.collect(0)
+    s = pauses.summary()
+    assert s["collections"][2] >= 1 and s["collections"][0] >= 1
+    assert s["pause_ms_total"] > 0 and 0 < s["pause_ms_max"] <= s["pause_ms_total"]
+    assert s["tracked_objects"] > 1000  # the interpreter's own objects at least
+    assert pauses._callback not in gc.callbacks  # removed on exit
+    before = list(pauses.counts)
+    gc.collect()
+    assert pauses.counts == before  # nothing counted outside the block
