@@ -177,7 +177,7 @@ plan_r86() {
   done
 }
 
-# r87 (one H100, ~10 minutes; NOTES e78): on the machine kind of issue 23's targets, with
+# r87 (one H100 or H200, ~10 minutes; NOTES e78): ideally on the kind of issue 23's targets, with
 # the code of 2026-12-06: the ceilings (C's floor, B's bound), C, A and B, C under auto
 # with and without the start-up heap frozen, then the
 # features measured against bf16 in the same run: speculative decoding (n-gram, the draft
