@@ -185,11 +185,11 @@ plan_r86() {
 plan_r87() {
   facts
   ckpt_write
-  bench base 300 ceilings,ours
   # e77's C under auto, +0.1 ms: is it the collector? (each C now records its passes)
   run_phase c-auto 150 c-auto
   step c-auto-frozen 150 python3 bench/engine_bench.py --out-dir "$RES/c-auto-frozen" \
     --ckpt "$CKPT" --phases c-auto --gc-freeze
+  bench base 300 ceilings,ours
   bench spec 300 spec
   bench int4 200 int4
   bench fp8 300 fp8
