@@ -179,7 +179,7 @@ plan_r86() {
 
 # r87 (one H100 or H200, ~10 minutes; NOTES e78): ideally on the kind of issue 23's targets, with
 # the code of 2026-12-06: the ceilings (C's floor, B's bound), C, A and B, C under auto
-# with and without the start-up heap frozen, then the
+# (the collector's passes in each), then the
 # features measured against bf16 in the same run: speculative decoding (n-gram, the draft
 # pair in process and as a sidecar), int4 C, FP8 (A, C and D at c=64).
 plan_r87() {
@@ -187,8 +187,6 @@ plan_r87() {
   ckpt_write
   # e77's C under auto, +0.1 ms: is it the collector? (each C now records its passes)
   run_phase c-auto 150 c-auto
-  step c-auto-frozen 150 python3 bench/engine_bench.py --out-dir "$RES/c-auto-frozen" \
-    --ckpt "$CKPT" --phases c-auto --gc-freeze
   bench base 300 ceilings,ours
   bench spec 300 spec
   bench int4 200 int4
