@@ -799,7 +799,15 @@ def _instrument(eng: Any) -> list[Step]:
 
     eng.worker.forward, eng.step = timed_forward, timed_step
     PendingStep.result = timed_result  # type: ignore[method-assign]
+    eng.bench_untimed = (forward, step, result)  # what _uninstrument puts back
     return steps
+
+
+def _uninstrument(eng: Any) -> None:
+    """Undoes ``_instrument`` (a second one would time its steps twice)."""
+    from kvscale.server.worker.worker import PendingStep
+
+    eng.worker.forward, eng.step, PendingStep.result = eng.bench_untimed
 
 
 def gpu_times(steps: list[Step]) -> list[Step]:
@@ -903,11 +911,17 @@ def _latency(llm: Any) -> dict[str, Any]:
             continue
         ttfts.append(m["first_token_time"] - m["arrival_time"])
         tpots.append((m["finished_time"] - m["first_token_time"]) / (n_out - 1))
+    # one more request, its steps timed (host, wait, GPU): not in the medians above
+    steps = _instrument(eng)
+    llm.generate([prompt], params)
+    _sync()
+    _uninstrument(eng)
     return {
         "tpot_ms": 1e3 * statistics.median(tpots),
         "ttft_ms": 1e3 * statistics.median(ttfts),
         "runs": len(tpots),
         "gc": pauses.summary(),
+        "steps": summarize_steps(gpu_times(steps)),
     }
 
 
@@ -1155,8 +1169,7 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
             "fill_ms_mean": 1e3 * statistics.fmean(fill_s) if fill_s else 0.0,
             "steps": summarize_steps(gpu_times(steps)),
         }
-        eng.worker.forward = type(eng.worker).forward.__get__(eng.worker)  # undo _instrument
-        eng.step = type(eng).step.__get__(eng)
+        _uninstrument(eng)
     del llm
     _free_gpu()
     return res

@@ -362,6 +362,8 @@ def test_tp2_phase_runs_an_engine_over_two_cpu_ranks(
     assert res["A"]["output_tokens"] == 4 * 3 and res["A"]["steps"]["num_steps"] > 0
     assert res["latency"]["tpot_ms"] > 0
     assert len(res["latency"]["gc"]["collections"]) == 3  # the collector's passes, by generation
+    c_steps = res["latency"]["steps"]  # the extra timed request: its prefill, then decodes
+    assert c_steps["prefill_steps"] == 1 and c_steps["decode_steps"] >= 2
 
 
 def test_b_pieces_phase_starts_from_an_empty_compile_cache(
