@@ -177,11 +177,11 @@ plan_r86() {
   done
 }
 
-# r87 (one H100 or H200, ~10 minutes; NOTES e78): ideally on the kind of issue 23's targets, with
+# r87 (one H100 or H200, ~6 minutes; NOTES e78): ideally on the kind of issue 23's targets, with
 # the code of 2026-12-06: the ceilings (C's floor, B's bound), C, A and B, C under auto
 # (the collector's passes in each), then the
 # features measured against bf16 in the same run: speculative decoding (n-gram, the draft
-# pair in process and as a sidecar), int4 C, FP8 (A, C and D at c=64).
+# pair in process and as a sidecar), int4 C.
 plan_r87() {
   facts
   ckpt_write
@@ -190,7 +190,6 @@ plan_r87() {
   bench base 300 ceilings,ours
   bench spec 300 spec
   bench int4 200 int4
-  bench fp8 300 fp8
 }
 
 case "$1" in
