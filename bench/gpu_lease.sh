@@ -178,17 +178,18 @@ plan_r86() {
 }
 
 # r87 (one H100 or H200, ~6 minutes; NOTES e78): ideally on the kind of issue 23's targets, with
-# the code of 2026-12-06: the ceilings (C's floor, B's bound), C, A and B, C under auto
-# (the collector's passes in each), then the
-# features measured against bf16 in the same run: speculative decoding (n-gram, the draft
-# pair in process and as a sidecar), int4 C.
+# the code of 2026-12-06: C under auto and by default (the collector's passes in each,
+# each step's host and GPU time), speculative decoding against bf16 in the same run
+# (n-gram, the draft pair in process and as a sidecar), the ceilings (C's floor, B's
+# bound) with C, A and B, int4 C.
 plan_r87() {
   facts
   ckpt_write
   # e77's C under auto, +0.1 ms: is it the collector? (each C now records its passes)
   run_phase c-auto 150 c-auto
-  bench base 300 ceilings,ours
+  run_phase c-default 150 c
   bench spec 300 spec
+  bench base 300 ceilings,ours
   bench int4 200 int4
 }
 
