@@ -188,6 +188,9 @@ plan_r87() {
   # e77's C under auto, +0.1 ms: is it the collector? (each C now records its passes)
   run_phase c-auto 150 c-auto
   run_phase c-default 150 c
+  # ... or the number of graphs held: 2 piece sizes (66 graphs) instead of 40 (1,320)
+  step c-auto-2sizes 150 python3 bench/engine_bench.py --out-dir "$RES/c-auto-2sizes" \
+    --ckpt "$CKPT" --phases c-auto --engine-arg piecewise_capture_sizes=512,1024
   bench spec 300 spec
   bench base 300 ceilings,ours
   bench int4 200 int4
