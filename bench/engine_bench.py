@@ -1231,6 +1231,25 @@ def kernel_table(
     return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
 
 
+def gap_table(
+    gaps: dict[tuple[str, str], list[float]], steps: int, top: int = 10
+) -> dict[str, Any]:
+    """``kernel_trace.idle_gaps`` over ``steps`` steps -> the device's idle time per step
+    (us) and the ``top`` places it idled (the event before, the event after): gaps and
+    microseconds per step, largest first."""
+    rows = [
+        {
+            "after": kernel_trace.short(a),
+            "before": kernel_trace.short(b),
+            "gaps_per_step": len(us) / steps,
+            "us_per_step": sum(us) / steps,
+        }
+        for (a, b), us in gaps.items()
+    ]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"idle_us_per_step": sum(r["us_per_step"] for r in rows), "top": rows[:top]}
+
+
 def _profile_decode(
     llm: Any, batches: Sequence[int], tag: str, prompt_len: int = 128
 ) -> dict[str, Any]:
@@ -1265,8 +1284,14 @@ def _profile_decode(
             torch.cuda.synchronize()
         while eng.has_unfinished_requests():
             eng.step()
-        kernels = kernel_trace.cuda_kernels(prof)
-        res[str(batch)] = {"step_ms": statistics.median(times), "kernels": kernels}
+        trace = kernel_trace.trace_of(prof)
+        res[str(batch)] = {
+            "step_ms": statistics.median(times),
+            "kernels": kernel_trace.kernels_from_trace(trace),
+            "idle": gap_table(
+                kernel_trace.idle_gaps(kernel_trace.events_from_trace(trace)), ALLREDUCE_STEPS
+            ),
+        }
     return res
 
 
@@ -1294,17 +1319,20 @@ def phase_decode_kernels(
 ) -> dict[str, Any]:
     """Where a TP=1 decode step's GPU time goes (batch 1 is workload C's step): the step
     time, the kernels' total and the gap between (launch and host time the GPU idles),
-    and the kernels by time per step. ``kw``: engine settings."""
+    the kernels by time per step, and where the device idled between them during the
+    profiled (unsynchronized) steps (``gap_table``). ``kw``: engine settings."""
     llm = _llm(ckpt, **kw)
     res: dict[str, Any] = {}
     for batch, prof in _profile_decode(llm, batches, "dk", prompt_len).items():
         gpu_ms = sum(us for _, us in prof["kernels"]) / ALLREDUCE_STEPS / 1e3
         table = kernel_table(prof["kernels"], ALLREDUCE_STEPS)
-        res[batch] = {"step_ms": prof["step_ms"], "gpu_ms": gpu_ms, "kernels": table}
+        idle = prof["idle"]
+        res[batch] = {"step_ms": prof["step_ms"], "gpu_ms": gpu_ms, "kernels": table, "idle": idle}
         print(
             f"decode kernels, batch {batch}: step {prof['step_ms']:.3f} ms, kernels "
             f"{gpu_ms:.3f} ms, {sum(r['calls_per_step'] for r in table):.0f} launches "
-            f"a step in the top {len(table)}",
+            f"a step in the top {len(table)}; the device idle "
+            f"{idle['idle_us_per_step']:.1f} us a step (unsynchronized steps)",
             flush=True,
         )
         for r in table:

@@ -136,64 +136,18 @@ plan_single() {
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-serve_d() {  # serve_d NAME [VAR=VALUE ...]: D at c=256, one server, in $RES/NAME
-  local name=$1
-  shift
-  step "$name" 150 env "$@" python3 bench/engine_bench.py --out-dir "$RES/$name" \
-    --ckpt "$CKPT" --phases serve --concurrency 256
-}
-
-# r86 (one H200 or H100, ~16 minutes; NOTES "e73 and e74 measured", e75): is a decode step
-# slower when piecewise graphs were captured too? C default against auto, alternated twice
-# on one machine, an engine a process; the decode step by kernel under each; then B default
-# and with pieces, whose steps now carry their GPU time (decode_gpu_ms); D by default and
-# with pieces at three prefill chunk sizes, and A and B at 1,024 against the default (e76).
-plan_r86() {
+# r88 (one H100, ~12 minutes; NOTES e79): where `auto`'s decode step idles (the device's
+# gaps by the work on each side, from the decode-kernels profile), then what r87 left
+# unrun: speculative decoding against bf16, the ceilings with C, A and B, int4 C, FP8.
+plan_r88() {
   facts
   ckpt_write
-  local round
-  for round in 1 2; do
-    run_phase "c-$round" 150 c
-    run_phase "c-auto-$round" 150 c-auto
-  done
   run_phase kernels-default 150 decode-kernels
   run_phase kernels-auto 150 decode-kernels-auto
-  run_phase b-1 120 b
-  run_phase b-pieces-eager-1 150 b-pieces-eager
-  # D at c=256 with pieces and prefill chunks that every piece covers (1,024 tokens) or
-  # twice that, against pieces at the default 8,192 (e76)
-  serve_d d-default
-  local chunk
-  for chunk in 8192 1024 2048; do
-    step "d-pieces-$chunk" 150 python3 bench/engine_bench.py --out-dir "$RES/d-pieces-$chunk" \
-      --ckpt "$CKPT" --phases serve-pieces-eager --piecewise-concurrency 256 \
-      --serve-args="--max-num-batched-tokens $chunk"
-  done
-  # what 1,024-token steps cost the offline workloads (A: 256 prompts of 512 at once)
-  run_phase a-1 120 a
-  for w in a b; do
-    step "$w-1024" 150 python3 bench/engine_bench.py --out-dir "$RES/$w-1024" --ckpt "$CKPT" \
-      --phases "$w" --engine-arg max_num_batched_tokens=1024
-  done
-}
-
-# r87 (one H100 or H200, ~6 minutes; NOTES e78): ideally on the kind of issue 23's targets, with
-# the code of 2026-12-06: C under auto and by default (the collector's passes in each,
-# each step's host and GPU time), speculative decoding against bf16 in the same run
-# (n-gram, the draft pair in process and as a sidecar), the ceilings (C's floor, B's
-# bound) with C, A and B, int4 C.
-plan_r87() {
-  facts
-  ckpt_write
-  # e77's C under auto, +0.1 ms: is it the collector? (each C now records its passes)
-  run_phase c-auto 150 c-auto
-  run_phase c-default 150 c
-  # ... or the number of graphs held: 2 piece sizes (66 graphs) instead of 40 (1,320)
-  step c-auto-2sizes 150 python3 bench/engine_bench.py --out-dir "$RES/c-auto-2sizes" \
-    --ckpt "$CKPT" --phases c-auto --engine-arg piecewise_capture_sizes=512,1024
   bench spec 300 spec
   bench base 300 ceilings,ours
   bench int4 200 int4
+  bench fp8 300 fp8
 }
 
 case "$1" in

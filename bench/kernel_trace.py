@@ -33,18 +33,47 @@ def label(name: str, grid: list[int] | None) -> str:
     return f"{short(name)}{GRID}{','.join(str(g) for g in grid)}]"
 
 
-def kernels_from_trace(trace: dict[str, Any]) -> list[tuple[str, float]]:
-    """``(label, microseconds)`` of each device event of a Chrome trace, in trace order."""
+def events_from_trace(trace: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """``(label, start_us, duration_us)`` of each device event of a Chrome trace, in
+    trace order."""
     return [
-        (label(e["name"], e.get("args", {}).get("grid")), float(e.get("dur", 0.0)))
+        (
+            label(e["name"], e.get("args", {}).get("grid")),
+            float(e.get("ts", 0.0)),
+            float(e.get("dur", 0.0)),
+        )
         for e in trace.get("traceEvents", [])
         if e.get("cat") in DEVICE_CATEGORIES
     ]
 
 
-def cuda_kernels(prof: Any) -> list[tuple[str, float]]:
-    """:func:`kernels_from_trace` of a finished ``torch.profiler.profile``."""
+def kernels_from_trace(trace: dict[str, Any]) -> list[tuple[str, float]]:
+    """``(label, microseconds)`` of each device event of a Chrome trace, in trace order."""
+    return [(name, dur) for name, _, dur in events_from_trace(trace)]
+
+
+def idle_gaps(events: list[tuple[str, float, float]]) -> dict[tuple[str, str], list[float]]:
+    """Where the device idled: for each event (by start time) that began after every
+    earlier one had ended, the gap (us) since the latest end, keyed by (the event that
+    ended latest, the event that began). Overlapping events leave no gap."""
+    gaps: dict[tuple[str, str], list[float]] = {}
+    last_name, last_end = None, float("-inf")
+    for name, start, dur in sorted(events, key=lambda e: e[1]):
+        if last_name is not None and start > last_end:
+            gaps.setdefault((last_name, name), []).append(start - last_end)
+        if start + dur >= last_end:
+            last_name, last_end = name, start + dur
+    return gaps
+
+
+def trace_of(prof: Any) -> dict[str, Any]:
+    """The Chrome trace of a finished ``torch.profiler.profile``, as a dict."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        return kernels_from_trace(json.loads(path.read_text()))
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def cuda_kernels(prof: Any) -> list[tuple[str, float]]:
+    """:func:`kernels_from_trace` of a finished ``torch.profiler.profile``."""
+    return kernels_from_trace(trace_of(prof))

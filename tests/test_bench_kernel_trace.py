@@ -60,3 +60,39 @@ def test_a_real_profile_exports_a_trace_the_reader_takes() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.ones(4) @ torch.ones(4)
     assert kt.cuda_kernels(prof) == []
+
+
+def test_idle_gaps_are_keyed_by_the_work_on_each_side_and_skip_overlaps() -> None:
+    events = [  # (label, start us, duration us), out of order as a trace may list them
+        ("graph_kernel", 20.0, 5.0),
+        ("copy", 0.0, 2.0),
+        ("inputs", 3.0, 1.0),  # 1 us after the copy ends
+        ("long", 30.0, 20.0),
+        ("inside_long", 35.0, 5.0),  # overlaps "long": no gap, and "long" still ends last
+        ("after_long", 52.0, 1.0),  # 2 us after "long" ends at 50
+    ]
+    gaps = kt.idle_gaps(events)
+    assert gaps == {
+        ("copy", "inputs"): [1.0],
+        ("inputs", "graph_kernel"): [16.0],
+        ("graph_kernel", "long"): [5.0],
+        ("long", "after_long"): [2.0],
+    }
+
+
+def test_gap_table_gives_the_idle_time_a_step_and_the_largest_places() -> None:
+    gaps = {("a", "b"): [1.0, 3.0], ("b", "c"): [10.0], ("c", "a"): [0.5]}
+    table = eb.gap_table(gaps, steps=2, top=2)
+    assert table["idle_us_per_step"] == (4.0 + 10.0 + 0.5) / 2
+    assert table["top"] == [
+        {"after": "b", "before": "c", "gaps_per_step": 0.5, "us_per_step": 5.0},
+        {"after": "a", "before": "b", "gaps_per_step": 1.0, "us_per_step": 2.0},
+    ]
+
+
+def test_device_events_keep_their_start_times() -> None:
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 100.5, "dur": 2.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 90.0, "dur": 9.0},
+    ]}  # fmt: skip
+    assert kt.events_from_trace(trace) == [("k", 100.5, 2.0)]
