@@ -1177,7 +1177,6 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
 
 # engine settings of every in-process engine, from --engine-arg KEY=VALUE (main sets it)
 ENGINE_ARGS: dict[str, Any] = {}
-GC_FREEZE = False  # --gc-freeze (main sets it)
 
 
 def parse_engine_arg(text: str) -> tuple[str, Any]:
@@ -1200,11 +1199,7 @@ def _llm(ckpt: Path, **kw: Any) -> Any:
         max_num_seqs=MAX_NUM_SEQS,
         gpu_memory_utilization=0.9,
     )
-    llm = LLM(str(ckpt), **{**settings, **ENGINE_ARGS, **kw})
-    if GC_FREEZE:  # --gc-freeze: start-up's objects out of the collector's passes
-        gc.collect()
-        gc.freeze()
-    return llm
+    return LLM(str(ckpt), **{**settings, **ENGINE_ARGS, **kw})
 
 
 def _close(llm: Any) -> None:
@@ -1960,11 +1955,6 @@ def main(argv: list[str] | None = None) -> int:
         help="an engine setting of every in-process engine (e.g. max_num_batched_tokens=1024)",
     )
     ap.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="gc.collect() and gc.freeze() after building each in-process engine",
-    )
-    ap.add_argument(
         "--serve-args",
         default="",
         help="more kvscale serve flags for the serve and serve-pieces-eager phases, one string",
@@ -1981,8 +1971,6 @@ def main(argv: list[str] | None = None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     serve_args = shlex.split(args.serve_args)
     ENGINE_ARGS.update(parse_engine_arg(a) for a in args.engine_arg)
-    global GC_FREEZE
-    GC_FREEZE = args.gc_freeze
     if phases:
         ensure_checkpoint(ckpt)
     if "ckpt" in phases:
