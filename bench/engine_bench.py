@@ -1304,6 +1304,7 @@ def phase_allreduce(ckpt: Path) -> dict[str, Any]:
                 top[name[:80]] = top.get(name[:80], 0.0) + us
         res[batch]["nccl_kernels_us"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:5])
         res[batch]["kernels"] = kernel_table(kernels, ALLREDUCE_STEPS)
+        res[batch]["idle"] = prof["idle"]  # where rank 0's device waited (gap_table)
         print(f"allreduce batch {batch}: {json.dumps(res[batch])[:300]}", flush=True)
     _close(llm)
     return res

@@ -60,6 +60,13 @@ def test_a_real_profile_exports_a_trace_the_reader_takes() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.ones(4) @ torch.ones(4)
     assert kt.cuda_kernels(prof) == []
+    trace = kt.trace_of(prof)
+    assert trace["traceEvents"]  # the host's events are there, with start times
+    assert all("ts" in e for e in trace["traceEvents"] if e.get("ph") == "X")
+    assert eb.gap_table(kt.idle_gaps(kt.events_from_trace(trace)), steps=1) == {
+        "idle_us_per_step": 0,
+        "top": [],
+    }
 
 
 def test_idle_gaps_are_keyed_by_the_work_on_each_side_and_skip_overlaps() -> None:
