@@ -136,9 +136,10 @@ plan_single() {
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-# r88 (one H100, ~12 minutes; NOTES e79): where `auto`'s decode step idles (the device's
+# r88 (one H100, ~14 minutes; NOTES e79): where `auto`'s decode step idles (the device's
 # gaps by the work on each side, from the decode-kernels profile), then what r87 left
-# unrun: speculative decoding against bf16, the ceilings with C, A and B, int4 C, FP8.
+# unrun: speculative decoding against bf16, the ceilings with C, A and B, int4 C, FP8;
+# then the engine's and the pieces' GPU tests.
 plan_r88() {
   facts
   ckpt_write
@@ -148,6 +149,8 @@ plan_r88() {
   bench base 300 ceilings,ours
   bench int4 200 int4
   bench fp8 300 fp8
+  # the engine's and the pieces' GPU tests at this code on an H100 (last: H200s, stop 49)
+  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_piecewise_cuda.py
 }
 
 case "$1" in
