@@ -596,3 +596,41 @@ def test_gc_pauses_counts_each_generations_passes_and_their_time() -> None:
     before = list(pauses.counts)
     gc.collect()
     assert pauses.counts == before  # nothing counted outside the block
+
+
+def test_ours_times_each_workload_once_and_leaves_the_engine_untimed(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C, A and B on one engine (phase_ours): each workload's steps are timed by its own
+    timers alone, and none is left on the engine after it (r88's B ran under A's too)."""
+    from kvscale.server import LLM
+    from kvscale.server.worker.worker import PendingStep
+
+    engines: list[LLM] = []
+    untimed: list[tuple[object, object, object]] = []
+
+    def make(ckpt: Path, **kw: object) -> LLM:
+        engines.append(LLM(str(ckpt), device="cpu", num_kv_blocks=128, **kw))  # type: ignore[arg-type]
+        eng = engines[-1].engine
+        untimed.append((eng.step, eng.worker.forward, PendingStep.result))
+        return engines[-1]
+
+    offline = eb._offline
+    after: list[tuple[object, object, object]] = []
+
+    def recorded(llm: LLM, *a: object) -> dict:
+        res = offline(llm, *a)
+        after.append((llm.engine.step, llm.engine.worker.forward, PendingStep.result))
+        return res
+
+    monkeypatch.setattr(eb, "_llm", make)
+    monkeypatch.setattr(eb, "_offline", recorded)
+    monkeypatch.setattr(eb, "C_SHAPE", (12, 4))
+    monkeypatch.setattr(eb, "A_SHAPE", (4, 20, 3))
+    monkeypatch.setattr(eb, "b_lengths", lambda: [(10, 3), (14, 5), (9, 2)])
+    res = eb.phase_ours(llama_ckpt, "CAB")
+    assert len(engines) == 1 and after == [untimed[0], untimed[0]]
+    # B's steps as B ran them: 10 output tokens over 3 requests, its first step a prefill
+    b = res["B"]["steps"]
+    assert b["num_steps"] == b["decode_steps"] + b["prefill_steps"]
+    assert 3 <= b["num_steps"] <= 10 and res["B"]["output_tokens"] == 10
