@@ -17,6 +17,10 @@ step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
   echo "=== [$name] $(date -u +%T) started" >> "$RES/log.txt"
+  # what else holds the CPUs as each step starts (r88's B ran at 0.70x r86's)
+  { echo "=== [$name]"; top -b -n 2 -d 0.5 -w 160 | awk '/^top -/ {n++} n == 2' | head -14
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv; } \
+    >> "$RES/top.txt" 2>&1
   timeout "$limit" "$@" > "$RES/$name.log" 2>&1
   local rc=$?  # before $(date) resets $?
   echo "=== [$name] $(date -u +%T) exit $rc" >> "$RES/log.txt"
@@ -140,18 +144,34 @@ plan_single() {
 # gaps by the work on each side, from the decode-kernels profile), then what r87 left
 # unrun: speculative decoding against bf16, the ceilings with C, A and B, int4 C, FP8;
 # then the engine's and the pieces' GPU tests.
-plan_r88() {
+variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
+  # bench/patches/PATCH applied, installed in place of the current (install_tree . head undoes it)
+  rm -rf "/tmp/$2" && mkdir -p "/tmp/$2"
+  tar -c --exclude=./.git --exclude=./.whl --exclude=./.venv --exclude=./bench/results . |
+    tar -x -C "/tmp/$2"
+  (cd "/tmp/$2" && patch -p1 < "bench/patches/$1") > "$RES/patch-$2.log" 2>&1
+  install_tree "/tmp/$2" "$2"
+}
+
+plan_r89() {
+  # e80: where `auto`'s batch-1 cost comes from. r88's profile: every kernel-to-kernel
+  # transition inside the decode graph is ~0.35 us slower under `auto`. Variants of the
+  # worker: the decode graphs captured before the pieces; the decode graphs in a memory
+  # pool of their own (pieces first, as shipped).
   facts
   ckpt_write
-  run_phase kernels-default 150 decode-kernels
+  run_phase c-auto 150 c-auto
+  run_phase c-default 150 c
+  # B on a fresh machine, its first workload: r88's (after every other phase) was 0.70x r86's
+  run_phase b 120 b
+  variant_tree e80_decode_graphs_first.patch e80-first
+  run_phase c-auto-first 150 c-auto
+  variant_tree e80_decode_graphs_own_pool.patch e80-pool
+  run_phase c-auto-pool 150 c-auto
+  install_tree . head
+  run_phase c-auto-2 150 c-auto
+  run_phase c-default-2 150 c
   run_phase kernels-auto 150 decode-kernels-auto
-  # the missed targets first: a start that comes late leaves the least for the rest
-  bench int4 200 int4
-  bench spec 300 spec
-  bench fp8 300 fp8
-  # the engine's and the pieces' GPU tests at this code on an H100 (last: H200s, stop 49)
-  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_piecewise_cuda.py
-  bench base 300 ceilings,ours
 }
 
 case "$1" in
