@@ -159,6 +159,9 @@ plan_r89() {
   # worker: the decode graphs captured before the pieces; the decode graphs in a memory
   # pool of their own (pieces first, as shipped).
   facts
+  # the same question on a synthetic decode-like graph: its replay's device time alone,
+  # after 660 graphs from its pool, after them in a pool of its own, before them
+  step transitions 150 python3 bench/graph_launch.py --transitions --out-dir "$RES"
   ckpt_write
   run_phase c-auto 150 c-auto
   run_phase c-default 150 c

@@ -9,6 +9,16 @@ GEMMs (``F.linear``), memsets, device-to-device copies, the three kernels in tur
 for the engine's batch-1 decode graphs of demo models of ``--layers`` layers.
 
     python bench/graph_launch.py [--nodes 32,128,512] [--layers 2,8,32] [--out-dir DIR]
+
+``--transitions`` measures the device instead (NOTES e80): the time a replay of a graph of
+``--graph-nodes`` kernels like a decode step's (elementwise, Triton, one-row GEMMs in turn)
+takes on the GPU, replays queued back to back behind a sleep kernel, when that graph is
+captured alone, after ``--others`` graphs that allocate from the same memory pool (as the
+pieces' graphs precede the decode graphs under ``--cuda-graph-mode auto``), after them
+into a pool of its own, or before them. Each condition runs in a process of its own, in
+turn, ``--repeats`` times; the table gives each one's extra time a node against ``alone``.
+
+    python bench/graph_launch.py --transitions [--graph-nodes 420] [--others 660] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -121,13 +133,141 @@ def engine_graph(layers: int, replays: int, tmp: Path) -> dict[str, object]:
     return res
 
 
+CONDITIONS = ("alone", "after-others", "after-others-own-pool", "before-others")
+SLEEP_CYCLES = 200_000_000  # ~0.1 s: more than enqueueing the replays (r44: <= 0.85 ms each)
+
+
+def decode_like(nodes: int) -> Callable[[], None]:
+    """``nodes`` kernels in the mix of a decode step: a one-row GEMM, a Triton kernel and
+    a torch elementwise kernel in turn, each reading what the one before wrote."""
+    dev = torch.device("cuda")
+    w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16) / 64
+    h = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+
+    def body() -> None:
+        x = h
+        for i in range(nodes):
+            if i % 3 == 0:
+                x = torch.nn.functional.linear(x, w)
+            elif i % 3 == 1:
+                _add_one[(4,)](x, x.numel(), BLOCK=1024)
+            else:
+                x = x * 0.5
+
+    return body
+
+
+def other_graphs(count: int, pool: object) -> list[torch.cuda.CUDAGraph]:
+    """``count`` graphs captured into ``pool``, each allocating intermediates of 1-64 MB
+    (as the pieces' graphs do at their token counts) and leaving one output alive."""
+    dev = torch.device("cuda")
+    graphs, outputs = [], []
+    for i in range(count):
+        mb = 1 << (i % 7)
+
+        def body(mb: int = mb) -> torch.Tensor:
+            a = torch.ones(mb * 2**18, device=dev)  # mb MB of fp32
+            return (a * 2).sum(0, keepdim=True)
+
+        body()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            outputs.append(body())
+        graphs.append(g)
+    return graphs
+
+
+def replay_device_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Device time a replay (us): ``replays`` replays queued back to back behind a sleep
+    kernel, so the host's launches never make the GPU wait, timed by two events."""
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / replays
+
+
+def one_condition(condition: str, nodes: int, others: int, replays: int) -> float:
+    """Device us a replay of the decode-like graph under ``condition`` (this process)."""
+    body = decode_like(nodes)
+    pool = torch.cuda.graph_pool_handle()
+    keep: list[torch.cuda.CUDAGraph] = []
+    if condition in ("after-others", "after-others-own-pool"):
+        keep = other_graphs(others, pool)
+    if condition == "after-others-own-pool":
+        pool = torch.cuda.graph_pool_handle()
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    if condition == "before-others":
+        keep = other_graphs(others, pool)
+    us = replay_device_us(graph, replays)
+    del keep
+    return us
+
+
+def transition_table(runs: dict[str, list[float]], nodes: int) -> list[dict[str, float | str]]:
+    """Per condition: the median device us a replay over its runs, and the extra time a
+    node against ``alone``'s median (us; a transition per node)."""
+    base = statistics.median(runs["alone"])
+    return [
+        {
+            "condition": c,
+            "replay_us": statistics.median(v),
+            "extra_us_per_node": (statistics.median(v) - base) / nodes,
+        }
+        for c, v in runs.items()
+    ]
+
+
+def transitions(nodes: int, others: int, replays: int, repeats: int) -> dict[str, object]:
+    """Every condition in a process of its own, in turn, ``repeats`` times."""
+    runs: dict[str, list[float]] = {c: [] for c in CONDITIONS}
+    for _ in range(repeats):
+        for c in CONDITIONS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--condition", c, "--graph-nodes", str(nodes),
+                 "--others", str(others), "--replays", str(replays)],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            runs[c].append(float(out.stdout.strip().splitlines()[-1]))
+    table = transition_table(runs, nodes)
+    for row in table:
+        print(
+            f"{row['condition']:>22}: {row['replay_us']:8.1f} us a replay, "
+            f"{row['extra_us_per_node']:+.3f} us a node against alone",
+            flush=True,
+        )
+    return {"nodes": nodes, "others": others, "replays": replays, "runs": runs, "table": table}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", default="32,128,512")
     ap.add_argument("--layers", default="2,8,32", help="the demo models' layer counts")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--transitions", action="store_true", help="the device side (see above)")
+    ap.add_argument("--graph-nodes", type=int, default=420)
+    ap.add_argument("--others", type=int, default=660)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--condition", choices=CONDITIONS, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.condition:  # one run, in a process of its own: prints the device us a replay
+        print(one_condition(args.condition, args.graph_nodes, args.others, args.replays))
+        return
+    if args.transitions:
+        res = transitions(args.graph_nodes, args.others, args.replays, args.repeats)
+        if args.out_dir:
+            Path(args.out_dir, "graph_transitions.json").write_text(json.dumps(res, indent=1))
+        return
     print(
         f"torch {torch.__version__}, triton {triton.__version__}, "
         f"{torch.cuda.get_device_name()}, driver CUDA {torch.version.cuda}"

@@ -1,0 +1,23 @@
+"""bench/graph_launch.py's CPU-runnable part: the transitions table (NOTES e80)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench_scripts import load_bench
+
+gl = load_bench("graph_launch")
+
+
+def test_transition_table_takes_medians_and_the_extra_time_a_node_against_alone() -> None:
+    runs = {
+        "alone": [1000.0, 1040.0, 1020.0],
+        "after-others": [1150.0, 1170.0, 1160.0],
+        "before-others": [1010.0, 1030.0, 1020.0],
+    }
+    rows = {r["condition"]: r for r in gl.transition_table(runs, nodes=400)}
+    assert rows["alone"]["replay_us"] == 1020.0 and rows["alone"]["extra_us_per_node"] == 0.0
+    assert rows["after-others"]["replay_us"] == 1160.0
+    assert rows["after-others"]["extra_us_per_node"] == pytest.approx(140.0 / 400)
+    assert rows["before-others"]["extra_us_per_node"] == 0.0
+    assert list(rows) == list(runs)  # in the order measured
