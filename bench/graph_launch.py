@@ -15,7 +15,9 @@ for the engine's batch-1 decode graphs of demo models of ``--layers`` layers.
 takes on the GPU, replays queued back to back behind a sleep kernel, when that graph is
 captured alone, after ``--others`` graphs that allocate from the same memory pool (as the
 pieces' graphs precede the decode graphs under ``--cuda-graph-mode auto``), after them
-into a pool of its own, or before them. Each condition runs in a process of its own, in
+into a pool of its own, or before them; and alone with a decode step's inputs before each
+replay (a pinned host-to-device copy and a small kernel: what the step's boundary costs
+the device when no host is late). Each condition runs in a process of its own, in
 turn, ``--repeats`` times; the table gives each one's extra time a node against ``alone``.
 
     python bench/graph_launch.py --transitions [--graph-nodes 420] [--others 660] [--out-dir DIR]
@@ -133,7 +135,7 @@ def engine_graph(layers: int, replays: int, tmp: Path) -> dict[str, object]:
     return res
 
 
-CONDITIONS = ("alone", "after-others", "after-others-own-pool", "before-others")
+CONDITIONS = ("alone", "after-others", "after-others-own-pool", "before-others", "with-inputs")
 SLEEP_CYCLES = 200_000_000  # ~0.1 s: more than enqueueing the replays (r44: <= 0.85 ms each)
 
 
@@ -177,15 +179,34 @@ def other_graphs(count: int, pool: object) -> list[torch.cuda.CUDAGraph]:
     return graphs
 
 
-def replay_device_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Device time a replay (us): ``replays`` replays queued back to back behind a sleep
-    kernel, so the host's launches never make the GPU wait, timed by two events."""
+def step_inputs() -> Callable[[], None]:
+    """What a decode step enqueues before its graph: a pinned host-to-device copy of its
+    inputs and a small kernel over them."""
+    host = torch.zeros(4096, dtype=torch.int64).pin_memory()
+    staged = torch.zeros(4096, dtype=torch.int64, device="cuda")
+
+    def enqueue() -> None:
+        staged.copy_(host, non_blocking=True)
+        _add_one[(4,)](staged, staged.numel(), BLOCK=1024)
+
+    enqueue()  # compiles the kernel for int64 before anything is timed
+    torch.cuda.synchronize()
+    return enqueue
+
+
+def replay_device_us(
+    graph: torch.cuda.CUDAGraph, replays: int, before: Callable[[], None] = lambda: None
+) -> float:
+    """Device time a replay (us): ``replays`` replays, each after ``before()``, queued
+    back to back behind a sleep kernel, so the host's launches never make the GPU wait,
+    timed by two events."""
     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     graph.replay()
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     start.record()
     for _ in range(replays):
+        before()
         graph.replay()
     end.record()
     torch.cuda.synchronize()
@@ -208,19 +229,21 @@ def one_condition(condition: str, nodes: int, others: int, replays: int) -> floa
         body()
     if condition == "before-others":
         keep = other_graphs(others, pool)
-    us = replay_device_us(graph, replays)
+    before = step_inputs() if condition == "with-inputs" else (lambda: None)
+    us = replay_device_us(graph, replays, before)
     del keep
     return us
 
 
 def transition_table(runs: dict[str, list[float]], nodes: int) -> list[dict[str, float | str]]:
-    """Per condition: the median device us a replay over its runs, and the extra time a
-    node against ``alone``'s median (us; a transition per node)."""
+    """Per condition: the median device us a replay over its runs, and its extra time
+    against ``alone``'s median, a replay and a node (us; a transition per node)."""
     base = statistics.median(runs["alone"])
     return [
         {
             "condition": c,
             "replay_us": statistics.median(v),
+            "extra_us": statistics.median(v) - base,
             "extra_us_per_node": (statistics.median(v) - base) / nodes,
         }
         for c, v in runs.items()
@@ -242,7 +265,8 @@ def transitions(nodes: int, others: int, replays: int, repeats: int) -> dict[str
     for row in table:
         print(
             f"{row['condition']:>22}: {row['replay_us']:8.1f} us a replay, "
-            f"{row['extra_us_per_node']:+.3f} us a node against alone",
+            f"{row['extra_us']:+.1f} us a replay and {row['extra_us_per_node']:+.3f} us a "
+            "node against alone",
             flush=True,
         )
     return {"nodes": nodes, "others": others, "replays": replays, "runs": runs, "table": table}

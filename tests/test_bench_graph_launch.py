@@ -18,6 +18,7 @@ def test_transition_table_takes_medians_and_the_extra_time_a_node_against_alone(
     rows = {r["condition"]: r for r in gl.transition_table(runs, nodes=400)}
     assert rows["alone"]["replay_us"] == 1020.0 and rows["alone"]["extra_us_per_node"] == 0.0
     assert rows["after-others"]["replay_us"] == 1160.0
+    assert rows["after-others"]["extra_us"] == 140.0
     assert rows["after-others"]["extra_us_per_node"] == pytest.approx(140.0 / 400)
     assert rows["before-others"]["extra_us_per_node"] == 0.0
     assert list(rows) == list(runs)  # in the order measured
