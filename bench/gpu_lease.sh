@@ -140,10 +140,9 @@ plan_single() {
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-# r88 (one H100, ~14 minutes; NOTES e79): where `auto`'s decode step idles (the device's
-# gaps by the work on each side, from the decode-kernels profile), then what r87 left
-# unrun: speculative decoding against bf16, the ceilings with C, A and B, int4 C, FP8;
-# then the engine's and the pieces' GPU tests.
+# r89 (one H100, ~8 minutes; NOTES e80): where `auto`'s slower graph transitions come
+# from (capture order against memory pool), on a synthetic graph and on the engine, what
+# a step's boundary costs the device, and B on a fresh machine.
 variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
   # bench/patches/PATCH applied, installed in place of the current (install_tree . head undoes it)
   rm -rf "/tmp/$2" && mkdir -p "/tmp/$2"
