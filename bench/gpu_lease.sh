@@ -140,7 +140,7 @@ plan_single() {
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-# r89 (one H100, ~8 minutes; NOTES e80): where `auto`'s slower graph transitions come
+# r89 (one H100, ~12 minutes; NOTES e80): where `auto`'s slower graph transitions come
 # from (capture order against memory pool), on a synthetic graph and on the engine, what
 # a step's boundary costs the device, and B on a fresh machine.
 variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
@@ -174,6 +174,9 @@ plan_r89() {
   run_phase c-auto-2 150 c-auto
   run_phase c-default-2 150 c
   run_phase kernels-auto 150 decode-kernels-auto
+  # the GPU tests r88 did not run, at this code on an H100 (last: H200s, stop 49)
+  step tests-gpu-rest 300 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
+    tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
 }
 
 case "$1" in
