@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.bench_scripts import load_bench
 
@@ -22,3 +23,11 @@ def test_transition_table_takes_medians_and_the_extra_time_a_node_against_alone(
     assert rows["after-others"]["extra_us_per_node"] == pytest.approx(140.0 / 400)
     assert rows["before-others"]["extra_us_per_node"] == 0.0
     assert list(rows) == list(runs)  # in the order measured
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's failure path")
+def test_a_condition_that_fails_stops_the_run_with_its_error() -> None:
+    """Each condition runs in a process of its own; without a GPU the first one fails,
+    and the run stops naming it, with that process's traceback."""
+    with pytest.raises(SystemExit, match=r"condition alone failed \(1\):\n(.|\n)*Traceback"):
+        gl.transitions(nodes=6, others=2, replays=2, repeats=1)
