@@ -43,6 +43,7 @@ functions tested on CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
@@ -56,7 +57,7 @@ import sys
 import time
 import traceback
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -753,9 +754,12 @@ def render_report(res: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- GPU runs
-def _instrument(eng: Any) -> list[Step]:
-    """Times each engine step and the wait for the previous step's tokens inside it; on
-    CUDA also its forward's stream time, as a pair of events (``gpu_times`` reads them)."""
+@contextlib.contextmanager
+def _timed_steps(eng: Any) -> Iterator[list[Step]]:
+    """Inside the block, times each engine step and the wait for the previous step's
+    tokens inside it; on CUDA also its forward's stream time, as a pair of events
+    (``gpu_times`` reads them). The engine is untimed again on leaving, so a later
+    workload on it is timed once."""
     import torch
 
     from kvscale.server.worker.worker import PendingStep
@@ -798,19 +802,15 @@ def _instrument(eng: Any) -> list[Step]:
 
     eng.worker.forward, eng.step = timed_forward, timed_step
     PendingStep.result = timed_result  # type: ignore[method-assign]
-    eng.bench_untimed = (forward, step, result)  # what _uninstrument puts back
-    return steps
-
-
-def _uninstrument(eng: Any) -> None:
-    """Undoes ``_instrument`` (a second one would time its steps twice)."""
-    from kvscale.server.worker.worker import PendingStep
-
-    eng.worker.forward, eng.step, PendingStep.result = eng.bench_untimed
+    try:
+        yield steps
+    finally:
+        eng.worker.forward, eng.step = forward, step
+        PendingStep.result = result  # type: ignore[method-assign]
 
 
 def gpu_times(steps: list[Step]) -> list[Step]:
-    """``steps`` with each step's pair of CUDA events (``_instrument``) read as seconds;
+    """``steps`` with each step's pair of CUDA events (``_timed_steps``) read as seconds;
     call after the device is synchronized."""
     return [
         (*x[:4], x[4][0].elapsed_time(x[4][1]) / 1e3 if len(x) > 4 and x[4] else None)
@@ -915,10 +915,9 @@ def _latency(llm: Any) -> dict[str, Any]:
             ttfts.append(m["first_token_time"] - m["arrival_time"])
             tpots.append((m["finished_time"] - m["first_token_time"]) / (n_out - 1))
     # one more request, its steps timed (host, wait, GPU): not in the medians above
-    steps = _instrument(eng)
-    llm.generate([prompt], params)
-    _sync()
-    _uninstrument(eng)
+    with _timed_steps(eng) as steps:
+        llm.generate([prompt], params)
+        _sync()
     return {
         "tpot_ms": 1e3 * statistics.median(tpots),
         "ttft_ms": 1e3 * statistics.median(ttfts),
@@ -939,14 +938,13 @@ def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
     # compiled inside its prefill steps, 246 ms each against 180, NOTES "e65 measured")
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     eng.reset_prefix_cache()  # the warm-up's prompts must not be hits of the timed run
-    steps = _instrument(eng)
     before = eng.stats()
-    _sync()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    _sync()
-    wall = time.perf_counter() - t0
-    _uninstrument(eng)  # a later workload on this engine (phase_ours: C, A, B) is timed once
+    with _timed_steps(eng) as steps:
+        _sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        _sync()
+        wall = time.perf_counter() - t0
     after = eng.stats()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(outputs), (n_out, sum(outputs))
@@ -1150,13 +1148,13 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
             for i in range(n)
         ]
         eng.reset_prefix_cache()
-        steps = _instrument(eng)
         fill_s.clear()
-        _sync()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        _sync()
-        wall = time.perf_counter() - t0
+        with _timed_steps(eng) as steps:
+            _sync()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            _sync()
+            wall = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         valid = sum(
             1
@@ -1173,7 +1171,6 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
             "fill_ms_mean": 1e3 * statistics.fmean(fill_s) if fill_s else 0.0,
             "steps": summarize_steps(gpu_times(steps)),
         }
-        _uninstrument(eng)
     del llm
     _free_gpu()
     return res
