@@ -26,6 +26,7 @@ turn, ``--repeats`` times; the table gives each one's extra time a node against 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -59,12 +60,12 @@ def replay_host_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return 1e6 * statistics.median(times)
 
 
-def captured(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """``body`` captured once (after a warm-up run)."""
+def captured(body: Callable[[], object], pool: object = None) -> torch.cuda.CUDAGraph:
+    """``body`` captured once (after a warm-up run), into ``pool`` (None: its own)."""
     body()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         body()
     graph.replay()
     torch.cuda.synchronize()
@@ -161,22 +162,15 @@ def decode_like(nodes: int) -> Callable[[], None]:
 
 def other_graphs(count: int, pool: object) -> list[torch.cuda.CUDAGraph]:
     """``count`` graphs captured into ``pool``, each allocating intermediates of 1-64 MB
-    (as the pieces' graphs do at their token counts) and leaving one output alive."""
+    (as the pieces' graphs do at their token counts) and writing one small output."""
     dev = torch.device("cuda")
-    graphs, outputs = [], []
-    for i in range(count):
-        mb = 1 << (i % 7)
+    out = torch.zeros(1, device=dev)
 
-        def body(mb: int = mb) -> torch.Tensor:
-            a = torch.ones(mb * 2**18, device=dev)  # mb MB of fp32
-            return (a * 2).sum(0, keepdim=True)
+    def body(mb: int) -> None:
+        a = torch.ones(mb * 2**18, device=dev)  # mb MB of fp32
+        out.copy_((a * 2).sum(0, keepdim=True))
 
-        body()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            outputs.append(body())
-        graphs.append(g)
-    return graphs
+    return [captured(functools.partial(body, 1 << (i % 7)), pool) for i in range(count)]
 
 
 def step_inputs() -> Callable[[], None]:
@@ -222,11 +216,7 @@ def one_condition(condition: str, nodes: int, others: int, replays: int) -> floa
         keep = other_graphs(others, pool)
     if condition == "after-others-own-pool":
         pool = torch.cuda.graph_pool_handle()
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        body()
+    graph = captured(body, pool)
     if condition == "before-others":
         keep = other_graphs(others, pool)
     before = step_inputs() if condition == "with-inputs" else (lambda: None)
