@@ -927,6 +927,18 @@ def _latency(llm: Any) -> dict[str, Any]:
     }
 
 
+def _timed_generate(llm: Any, prompts: list[list[int]], params: Any) -> tuple[Any, float, Any]:
+    """``llm.generate(prompts, params)`` with its steps timed (``_timed_steps``): the
+    outputs, the wall time (s, the device synchronized at both ends) and the steps."""
+    with _timed_steps(llm.engine) as steps:
+        _sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        _sync()
+        wall = time.perf_counter() - t0
+    return outs, wall, steps
+
+
 def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
     """Offline throughput of the given requests (greedy, ignore EOS)."""
     from kvscale.server import SamplingParams
@@ -939,12 +951,7 @@ def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     eng.reset_prefix_cache()  # the warm-up's prompts must not be hits of the timed run
     before = eng.stats()
-    with _timed_steps(eng) as steps:
-        _sync()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        _sync()
-        wall = time.perf_counter() - t0
+    outs, wall, steps = _timed_generate(llm, prompts, params)
     after = eng.stats()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(outputs), (n_out, sum(outputs))
@@ -1149,12 +1156,7 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
         ]
         eng.reset_prefix_cache()
         fill_s.clear()
-        with _timed_steps(eng) as steps:
-            _sync()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            _sync()
-            wall = time.perf_counter() - t0
+        outs, wall, steps = _timed_generate(llm, prompts, params)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         valid = sum(
             1
