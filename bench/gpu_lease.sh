@@ -160,7 +160,7 @@ plan_r89() {
   facts
   # the same question on a synthetic decode-like graph: its replay's device time alone,
   # after 660 graphs from its pool, after them in a pool of its own, before them
-  step transitions 240 python3 bench/graph_launch.py --transitions --out-dir "$RES"
+  step transitions 360 python3 bench/graph_launch.py --transitions --out-dir "$RES"
   ckpt_write
   run_phase c-auto 150 c-auto
   run_phase c-default 150 c

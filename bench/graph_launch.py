@@ -136,7 +136,26 @@ def engine_graph(layers: int, replays: int, tmp: Path) -> dict[str, object]:
     return res
 
 
-CONDITIONS = ("alone", "after-others", "after-others-own-pool", "before-others", "with-inputs")
+CONDITIONS = (
+    "alone",
+    "after-others",
+    "after-others-own-pool",
+    "before-others",
+    "with-inputs",
+    "with-kernel",
+    "with-inputs-side-copy",
+    "with-boundary",
+    "with-boundary-side-copies",
+)
+# What each "with-*" condition enqueues before each replay (``step_inputs``).
+BOUNDARY_PARTS = ("d2h", "side-d2h", "h2d", "side-h2d", "kernel")
+BOUNDARIES = {
+    "with-inputs": ("h2d", "kernel"),
+    "with-kernel": ("kernel",),
+    "with-inputs-side-copy": ("side-h2d", "kernel"),
+    "with-boundary": ("d2h", "h2d", "kernel"),
+    "with-boundary-side-copies": ("side-d2h", "side-h2d", "kernel"),
+}
 SLEEP_CYCLES = 200_000_000  # ~0.1 s: more than enqueueing the replays (r44: <= 0.85 ms each)
 
 
@@ -173,15 +192,41 @@ def other_graphs(count: int, pool: object) -> list[torch.cuda.CUDAGraph]:
     return [captured(functools.partial(body, 1 << (i % 7)), pool) for i in range(count)]
 
 
-def step_inputs() -> Callable[[], None]:
-    """What a decode step enqueues before its graph: a pinned host-to-device copy of its
-    inputs and a small kernel over them."""
+def step_inputs(parts: tuple[str, ...]) -> Callable[[], None]:
+    """What a decode step enqueues between two graphs, in order (``BOUNDARIES``):
+    ``d2h``, the previous step's sampled tokens copied to pinned memory; ``h2d``, a pinned
+    host-to-device copy of the step's inputs; ``kernel``, a small kernel over them. The
+    ``side-`` copies run on streams of their own: the H2D one is issued at once (its
+    host data is ready) and the main stream waits on its event; the D2H one waits on an
+    event after the previous replay. They ask whether the gap before a graph comes from
+    the main stream waiting on the copy engine."""
     host = torch.zeros(4096, dtype=torch.int64).pin_memory()
     staged = torch.zeros(4096, dtype=torch.int64, device="cuda")
+    tokens = torch.zeros(8, dtype=torch.int64, device="cuda")
+    tokens_host = torch.zeros(8, dtype=torch.int64).pin_memory()
+    side_h2d, side_d2h = torch.cuda.Stream(), torch.cuda.Stream()
+    main = torch.cuda.current_stream()
 
     def enqueue() -> None:
-        staged.copy_(host, non_blocking=True)
-        _add_one[(4,)](staged, staged.numel(), BLOCK=1024)
+        for part in parts:
+            if part == "d2h":
+                tokens_host.copy_(tokens, non_blocking=True)
+            elif part == "side-d2h":
+                side_d2h.wait_stream(main)
+                with torch.cuda.stream(side_d2h):
+                    tokens_host.copy_(tokens, non_blocking=True)
+            elif part == "h2d":
+                staged.copy_(host, non_blocking=True)
+            elif part == "side-h2d":
+                ready = torch.cuda.Event()
+                with torch.cuda.stream(side_h2d):
+                    staged.copy_(host, non_blocking=True)
+                    ready.record(side_h2d)
+                main.wait_event(ready)
+            elif part == "kernel":
+                _add_one[(4,)](staged, staged.numel(), BLOCK=1024)
+            else:
+                raise ValueError(f"unknown boundary part {part!r}; known: {BOUNDARY_PARTS}")
 
     enqueue()  # compiles the kernel for int64 before anything is timed
     torch.cuda.synchronize()
@@ -219,7 +264,8 @@ def one_condition(condition: str, nodes: int, others: int, replays: int) -> floa
     graph = captured(body, pool)
     if condition == "before-others":
         keep = other_graphs(others, pool)
-    before = step_inputs() if condition == "with-inputs" else (lambda: None)
+    parts = BOUNDARIES.get(condition)
+    before = step_inputs(parts) if parts else (lambda: None)
     us = replay_device_us(graph, replays, before)
     del keep
     return us

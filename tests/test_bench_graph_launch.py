@@ -31,3 +31,10 @@ def test_a_condition_that_fails_stops_the_run_with_its_error() -> None:
     and the run stops naming it, with that process's traceback."""
     with pytest.raises(SystemExit, match=r"condition alone failed \(1\):\n(.|\n)*Traceback"):
         gl.transitions(nodes=6, others=2, replays=2, repeats=1)
+
+
+def test_every_boundary_condition_is_run_and_enqueues_known_parts_ending_in_the_kernel() -> None:
+    assert set(gl.BOUNDARIES) <= set(gl.CONDITIONS)
+    for condition, parts in gl.BOUNDARIES.items():
+        assert set(parts) <= set(gl.BOUNDARY_PARTS), condition
+        assert parts[-1] == "kernel", condition  # the graph follows a kernel, as in a step
