@@ -140,9 +140,9 @@ plan_single() {
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-# r89 (one H100, ~12 minutes; NOTES e80): where `auto`'s slower graph transitions come
-# from (capture order against memory pool), on a synthetic graph and on the engine, what
-# a step's boundary costs the device, and B on a fresh machine.
+# r89 (one H100, ~18 minutes; NOTES e80, e81): what a step's boundary costs the device and
+# whether side-stream copies remove it; where `auto`'s slower graph transitions come from
+# (on a synthetic graph and on the engine); B on a fresh machine.
 variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
   # bench/patches/PATCH applied, installed in place of the current (install_tree . head undoes it)
   rm -rf "/tmp/$2" && mkdir -p "/tmp/$2"
@@ -153,27 +153,31 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 }
 
 plan_r89() {
-  # e80: where `auto`'s batch-1 cost comes from. r88's profile: every kernel-to-kernel
-  # transition inside the decode graph is ~0.35 us slower under `auto`. Variants of the
-  # worker: the decode graphs captured before the pieces; the decode graphs in a memory
-  # pool of their own (pieces first, as shipped).
+  # e81 first (actionable: C by default), e80 after. e81: the step boundary's ~67 us before
+  # the decode graph; the transitions run's "with-*" conditions, and the worker with its
+  # input and output copies on streams of their own, alternated with HEAD by default.
+  # e80: `auto`'s slower graph transitions (r88); the decode graphs captured before the
+  # pieces. About 18 minutes.
   facts
-  # the same question on a synthetic decode-like graph: its replay's device time alone,
-  # after 660 graphs from its pool, after them in a pool of its own, before them
   step transitions 360 python3 bench/graph_launch.py --transitions --out-dir "$RES"
   ckpt_write
-  run_phase c-auto 150 c-auto
   run_phase c-default 150 c
-  # B on a fresh machine, its first workload: r88's (after every other phase) was 0.70x r86's
-  run_phase b 120 b
+  variant_tree e81_side_stream_copies.patch e81
+  run_phase c-e81 150 c
+  install_tree . head
+  run_phase c-auto 150 c-auto
+  # B on a fresh engine, early: r88's (after every other phase) was 0.70x r86's
+  run_phase b 150 b
   variant_tree e80_decode_graphs_first.patch e80-first
   run_phase c-auto-first 150 c-auto
-  variant_tree e80_decode_graphs_own_pool.patch e80-pool
-  run_phase c-auto-pool 150 c-auto
   install_tree . head
-  run_phase c-auto-2 150 c-auto
   run_phase c-default-2 150 c
-  run_phase kernels-auto 150 decode-kernels-auto
+  run_phase c-auto-2 150 c-auto
+  variant_tree e81_side_stream_copies.patch e81
+  run_phase c-e81-2 150 c
+  step tests-e81 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_structured_cuda.py \
+    tests/gpu/test_spec_cuda.py
+  install_tree . head
   # the GPU tests r88 did not run, at this code on an H100 (last: H200s, stop 49)
   step tests-gpu-rest 300 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
     tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
