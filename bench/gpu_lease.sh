@@ -140,7 +140,7 @@ plan_single() {
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-# r89 (one H100, ~18 minutes; NOTES e80, e81): what a step's boundary costs the device and
+# r89 (one H100, ~15 minutes; NOTES e80, e81): what a step's boundary costs the device and
 # whether side-stream copies remove it; where `auto`'s slower graph transitions come from
 # (on a synthetic graph and on the engine); B on a fresh machine.
 variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
@@ -157,7 +157,7 @@ plan_r89() {
   # the decode graph; the transitions run's "with-*" conditions, and the worker with its
   # input and output copies on streams of their own, alternated with HEAD by default.
   # e80: `auto`'s slower graph transitions (r88); the decode graphs captured before the
-  # pieces. About 18 minutes.
+  # pieces. About 15 minutes; the GPU tests last, under e81 (the tree that would ship).
   facts
   step transitions 360 python3 bench/graph_launch.py --transitions --out-dir "$RES"
   ckpt_write
@@ -165,22 +165,19 @@ plan_r89() {
   variant_tree e81_side_stream_copies.patch e81
   run_phase c-e81 150 c
   install_tree . head
+  run_phase c-default-2 150 c
+  install_tree /tmp/e81 e81
+  run_phase c-e81-2 150 c
+  install_tree . head
   run_phase c-auto 150 c-auto
   # B on a fresh engine, early: r88's (after every other phase) was 0.70x r86's
   run_phase b 150 b
   variant_tree e80_decode_graphs_first.patch e80-first
   run_phase c-auto-first 150 c-auto
+  install_tree /tmp/e81 e81
+  step tests-e81 400 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
+    tests/gpu/test_draft_cuda.py tests/gpu/test_structured_cuda.py
   install_tree . head
-  run_phase c-default-2 150 c
-  run_phase c-auto-2 150 c-auto
-  variant_tree e81_side_stream_copies.patch e81
-  run_phase c-e81-2 150 c
-  step tests-e81 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_structured_cuda.py \
-    tests/gpu/test_spec_cuda.py
-  install_tree . head
-  # the GPU tests r88 did not run, at this code on an H100 (last: H200s, stop 49)
-  step tests-gpu-rest 300 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
-    tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
 }
 
 case "$1" in
