@@ -180,6 +180,22 @@ plan_r89() {
   install_tree . head
 }
 
+plan_r89s() {
+  # plan_r89 cut to ~9 minutes, for a lease with less device time left: e81 only
+  facts
+  step transitions 240 python3 bench/graph_launch.py --transitions --repeats 1 --out-dir "$RES"
+  ckpt_write
+  run_phase c-default 150 c
+  variant_tree e81_side_stream_copies.patch e81
+  run_phase c-e81 150 c
+  install_tree . head
+  run_phase c-default-2 150 c
+  install_tree /tmp/e81 e81
+  run_phase c-e81-2 150 c
+  step tests-e81 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
+  install_tree . head
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
