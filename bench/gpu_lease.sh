@@ -136,13 +136,7 @@ plan_single() {
   bench serve 300 serve --concurrency 1,16,64,256
 }
 
-# Plans already run are removed once their results are committed: each results README
-# names its plan (plan_rNN) and the commit it ran at, and
-# `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
-
-# r89 (one H100, ~15 minutes; NOTES e80, e81): what a step's boundary costs the device and
-# whether side-stream copies remove it; where `auto`'s slower graph transitions come from
-# (on a synthetic graph and on the engine); B on a fresh machine.
+# Builds a variant of this tree from a patch (bench/patches) for a plan to measure.
 variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
   # bench/patches/PATCH applied, installed in place of the current (install_tree . head undoes it)
   rm -rf "/tmp/$2" && mkdir -p "/tmp/$2"
@@ -152,49 +146,30 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
   install_tree "/tmp/$2" "$2"
 }
 
-plan_r89() {
-  # e81 first (actionable: C by default), e80 after. e81: the step boundary's ~67 us before
-  # the decode graph; the transitions run's "with-*" conditions, and the worker with its
-  # input and output copies on streams of their own, alternated with HEAD by default.
-  # e80: `auto`'s slower graph transitions (r88); the decode graphs captured before the
-  # pieces. About 15 minutes; the GPU tests last, under e81 (the tree that would ship).
+# r90 (one H100, ~10 minutes): the GPU tests not yet run at this code on an H100, then
+# the rest of e80 (`auto`'s slower decode graph; r89: capture order is not the cause)
+# alternated: HEAD, the decode graphs in a pool of their own, the decode graphs first.
+plan_r90() {
   facts
-  step transitions 360 python3 bench/graph_launch.py --transitions --out-dir "$RES"
+  step tests-gpu-rest 400 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
+    tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
   ckpt_write
   run_phase c-default 150 c
-  variant_tree e81_side_stream_copies.patch e81
-  run_phase c-e81 150 c
-  install_tree . head
-  run_phase c-default-2 150 c
-  install_tree /tmp/e81 e81
-  run_phase c-e81-2 150 c
-  install_tree . head
   run_phase c-auto 150 c-auto
-  # B on a fresh engine, early: r88's (after every other phase) was 0.70x r86's
-  run_phase b 150 b
+  variant_tree e80_decode_graphs_own_pool.patch e80-pool
+  run_phase c-auto-pool 150 c-auto
   variant_tree e80_decode_graphs_first.patch e80-first
   run_phase c-auto-first 150 c-auto
-  install_tree /tmp/e81 e81
-  step tests-e81 400 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
-    tests/gpu/test_draft_cuda.py tests/gpu/test_structured_cuda.py
+  install_tree . head
+  run_phase c-auto-2 150 c-auto
+  install_tree /tmp/e80-pool e80-pool
+  run_phase c-auto-pool-2 150 c-auto
   install_tree . head
 }
 
-plan_r89s() {
-  # plan_r89 cut to ~9 minutes, for a lease with less device time left: e81 only
-  facts
-  step transitions 240 python3 bench/graph_launch.py --transitions --repeats 1 --out-dir "$RES"
-  ckpt_write
-  run_phase c-default 150 c
-  variant_tree e81_side_stream_copies.patch e81
-  run_phase c-e81 150 c
-  install_tree . head
-  run_phase c-default-2 150 c
-  install_tree /tmp/e81 e81
-  run_phase c-e81-2 150 c
-  step tests-e81 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py
-  install_tree . head
-}
+# Plans already run are removed once their results are committed: each results README
+# names its plan (plan_rNN) and the commit it ran at, and
+# `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
 case "$1" in
   start)
