@@ -15,9 +15,11 @@ for the engine's batch-1 decode graphs of demo models of ``--layers`` layers.
 takes on the GPU, replays queued back to back behind a sleep kernel, when that graph is
 captured alone, after ``--others`` graphs that allocate from the same memory pool (as the
 pieces' graphs precede the decode graphs under ``--cuda-graph-mode auto``), after them
-into a pool of its own, or before them; and alone with a decode step's inputs before each
-replay (a pinned host-to-device copy and a small kernel: what the step's boundary costs
-the device when no host is late). Each condition runs in a process of its own, in
+into a pool of its own, or before them; and alone with parts of a decode step's boundary
+before each replay (``BOUNDARIES``, NOTES e81: the previous tokens' device-to-host copy,
+a pinned host-to-device copy of the inputs, a small kernel; the copies in the main stream
+or on streams of their own): what the boundary costs the device when no host is late.
+Each condition runs in a process of its own, in
 turn, ``--repeats`` times; the table gives each one's extra time a node against ``alone``.
 
     python bench/graph_launch.py --transitions [--graph-nodes 420] [--others 660] [--out-dir DIR]
