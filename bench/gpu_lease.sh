@@ -146,6 +146,10 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
   install_tree "/tmp/$2" "$2"
 }
 
+# Plans already run are removed once their results are committed: each results README
+# names its plan (plan_rNN) and the commit it ran at, and
+# `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
+
 # r90 (one H100, ~10 minutes): the GPU tests not yet run at this code on an H100, then
 # the rest of e80 (`auto`'s slower decode graph; r89: capture order is not the cause)
 # alternated: HEAD, the decode graphs in a pool of their own, the decode graphs first.
@@ -166,10 +170,6 @@ plan_r90() {
   run_phase c-auto-pool-2 150 c-auto
   install_tree . head
 }
-
-# Plans already run are removed once their results are committed: each results README
-# names its plan (plan_rNN) and the commit it ran at, and
-# `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
 case "$1" in
   start)
