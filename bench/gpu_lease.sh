@@ -136,6 +136,11 @@ plan_single() {
   bench serve 300 serve --concurrency 1,16,64,256
 }
 
+b_seqs() {  # b_seqs MAX_NUM_SEQS NAME: workload B, an engine of its own, in $RES/NAME
+  step "$2" 200 python3 bench/engine_bench.py --out-dir "$RES/$2" --ckpt "$CKPT" --phases b \
+    --engine-arg "max_num_seqs=$1"
+}
+
 # Builds a variant of this tree from a patch (bench/patches) for a plan to measure.
 variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
   # bench/patches/PATCH applied, installed in place of the current (install_tree . head undoes it)
@@ -150,14 +155,20 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-# r90 (one H100, ~10 minutes): the GPU tests not yet run at this code on an H100, then
-# the rest of e80 (`auto`'s slower decode graph; r89: capture order is not the cause)
-# alternated: HEAD, the decode graphs in a pool of their own, the decode graphs first.
+# r90 (one H100, ~15 minutes): the GPU tests not yet run at this code on an H100; B at
+# 256, 1,024 and 512 running sequences (NOTES e82: vLLM's default on an H100 is 1,024),
+# alternated; then the rest of e80 (`auto`'s slower decode graph; r89: capture order is
+# not the cause), alternated: HEAD, the decode graphs in a pool of their own, first.
 plan_r90() {
   facts
   step tests-gpu-rest 400 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
     tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
   ckpt_write
+  b_seqs 256 b-256
+  b_seqs 1024 b-1024
+  b_seqs 256 b-256-2
+  b_seqs 1024 b-1024-2
+  b_seqs 512 b-512
   run_phase c-default 150 c
   run_phase c-auto 150 c-auto
   variant_tree e80_decode_graphs_own_pool.patch e80-pool
