@@ -2,10 +2,12 @@
 
 NOTES e82 asks what ``max_num_seqs`` does to workload B (1,000 ShareGPT-like requests)
 before a lease measures it. This replays the scheduler's policy on the request lengths
-alone: first-come first-served admission up to ``max_num_seqs`` running sequences, and
-each step's token budget (``max_num_batched_tokens``) spent on one decode token for every
-sequence whose prompt is done, then on the prompts still being prefilled (in admission
-order), then on new admissions (chunked prefill). A sequence's output tokens are
+alone (``engine.scheduler``): first-come first-served admission up to ``max_num_seqs``
+running sequences, and each step's token budget (``max_num_batched_tokens``) spent on the
+running sequences in arrival order (a decode token each, or a prompt's next chunk), then
+on new admissions (chunked prefill). Not modelled: preemption (B fits the KV pool) and the
+one-deep pipeline's skipped step for a sequence whose last token is in flight. A
+sequence's output tokens are
 counted from the step after its prompt is done, one a step, and it ends after the last.
 That reproduces B's step counts at 256 sequences (below); counting a token at the step
 that finishes the prompt instead gives 1,507 steps, 399 with prefill.
@@ -58,16 +60,20 @@ def simulate(
     running: list[_Seq] = []
     seconds, steps, mixed = 0.0, 0, 0
     while waiting or running:
-        decoding = [s for s in running if s.prompt_left == 0]
-        left = budget - len(decoding)
-        prefill = 0
-        for s in running:
-            if s.prompt_left and left > 0:
+        decoding: list[_Seq] = []
+        left, prefill = budget, 0
+        for s in running:  # in arrival order: a decode token, or the prompt's next chunk
+            if left <= 0:
+                break
+            if s.prompt_left:
                 n = min(s.prompt_left, left)
                 s.prompt_left -= n
                 s.context += n
-                left -= n
                 prefill += n
+                left -= n
+            else:
+                decoding.append(s)
+                left -= 1
         while waiting and len(running) < max_num_seqs and left > 0:
             prompt, out = waiting.pop(0)
             n = min(prompt, left)
