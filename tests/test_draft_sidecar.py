@@ -756,7 +756,11 @@ def test_the_profile_script_splits_the_round_trip() -> None:
     found = re.findall(pattern, out)
     assert [m[0] for m in found] == ["0", "2"], out
     for ms, total, model, beyond, own, _ in (tuple(map(float, m)) for m in found):
-        assert model >= ms and total > model and 0 < own <= beyond
+        # The client's own work may overlap the sidecar's compute, so it can exceed what is
+        # beyond the model (the script prints a negative rest then): a clean-clone CI run
+        # had medians of 0.133 and 0.117 ms. Each part is positive and the model fits in
+        # the round trip.
+        assert model >= ms and total > model and beyond > 0 and own > 0
     # the client's profile (which functions top it depends on the load: a busy machine
     # turns the client's polling off)
     assert "Ordered by: internal time" in out and "draft_sidecar.py" in out
