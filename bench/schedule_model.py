@@ -7,10 +7,9 @@ running sequences, and each step's token budget (``max_num_batched_tokens``) spe
 running sequences in arrival order (a decode token each, or a prompt's next chunk), then
 on new admissions (chunked prefill). Not modelled: preemption (B fits the KV pool) and the
 one-deep pipeline's skipped step for a sequence whose last token is in flight. A
-sequence's output tokens are
-counted from the step after its prompt is done, one a step, and it ends after the last.
-That reproduces B's step counts at 256 sequences (below); counting a token at the step
-that finishes the prompt instead gives 1,507 steps, 399 with prefill.
+sequence's output tokens are counted from the step after its prompt is done, one a step,
+and it ends after the last; counting a token at the step that finishes the prompt
+instead gives 1,507 steps at 256 sequences, 399 with prefill.
 
 Each step costs ``max(weights_s, tokens * token_s) + kv_tokens * kv_s + overhead_s``: the
 weights' read or the step's matmuls, whichever is longer, then the decode rows' KV reads

@@ -24,7 +24,7 @@ def test_max_num_seqs_holds_requests_back_until_one_finishes() -> None:
     assert sm.simulate(two, max_num_seqs=2, budget=8, cost=FREE)["steps"] == 3
 
 
-def test_decode_rows_take_the_budget_before_prompts() -> None:
+def test_running_sequences_take_the_budget_in_arrival_order() -> None:
     # the first request decodes while the second's prompt gets what is left of 4 tokens
     r = sm.simulate([(2, 3), (6, 1)], max_num_seqs=2, budget=4, cost=FREE)
     # step 1: prompt 1 (2 tokens) and 2 of prompt 2; step 2: a decode and 3 of prompt 2;
