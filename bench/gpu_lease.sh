@@ -159,17 +159,17 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # 256, 1,024 and 512 running sequences (NOTES e82: vLLM's default on an H100 is 1,024),
 # alternated; then the rest of e80 (`auto`'s slower decode graph; r89: capture order is
 # not the cause), alternated: HEAD, the decode graphs in a pool of their own, first.
-plan_r90() {
+plan_r90() {  # B at 256/1,024 seqs first (e82 may change a default), then tests, then e80
   facts
-  step tests-gpu-rest 400 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
-    tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
   ckpt_write
   b_seqs 256 b-256
   b_seqs 1024 b-1024
   b_seqs 256 b-256-2
   b_seqs 1024 b-1024-2
-  b_seqs 512 b-512
   run_phase c-default 150 c
+  step tests-gpu-rest 400 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
+    tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
+  b_seqs 512 b-512
   run_phase c-auto 150 c-auto
   variant_tree e80_decode_graphs_own_pool.patch e80-pool
   run_phase c-auto-pool 150 c-auto
