@@ -182,6 +182,18 @@ plan_r90() {  # B at 256/1,024 seqs first (e82 may change a default), then tests
   install_tree . head
 }
 
+plan_r90s() {  # plan_r90 cut to ~9 minutes: e82's B alternation, C, the tests
+  facts
+  ckpt_write
+  b_seqs 256 b-256
+  b_seqs 1024 b-1024
+  b_seqs 256 b-256-2
+  b_seqs 1024 b-1024-2
+  run_phase c-default 150 c
+  step tests-gpu-rest 400 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
+    tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
