@@ -194,6 +194,18 @@ plan_r90s() {  # plan_r90 cut to ~9 minutes: e82's B alternation, C, the tests
     tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
 }
 
+plan_r90t() {  # plan_r90's rest, on the same warm machine after plan_r90s
+  b_seqs 512 b-512
+  run_phase c-auto 150 c-auto
+  variant_tree e80_decode_graphs_own_pool.patch e80-pool
+  run_phase c-auto-pool 150 c-auto
+  install_tree . head
+  run_phase c-auto-2 150 c-auto
+  install_tree /tmp/e80-pool e80-pool
+  run_phase c-auto-pool-2 150 c-auto
+  install_tree . head
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
