@@ -13,10 +13,12 @@ instead gives 1,507 steps at 256 sequences, 399 with prefill.
 
 Each step costs ``max(weights_s, tokens * token_s) + kv_tokens * kv_s + overhead_s``: the
 weights' read or the step's matmuls, whichever is longer, then the decode rows' KV reads
-(their contexts), then a fixed cost. The defaults are an H100's (8B bf16 weights at
-~3 TB/s: 5.0 ms; 16 GFLOP a token at 78% of 760 TFLOP/s; 128 KiB of KV a token at
-2.9 TB/s; 0.6 ms a step), and reproduce B's step counts at 256 sequences (1,512 steps, 402
-of them with prefill, against r89's 1,511 and 402).
+(their contexts), then a fixed cost. ``StepCost.for_model`` derives the first three from a
+config (``engine_bench``'s arithmetic: bf16 weights but the embedding table read once a
+step, 2 FLOP a parameter a token, the KV bytes a context token) and a GPU's measured copy
+bandwidth and matmul rate; the command line's defaults are r88's H100 ceilings (3,000 GB/s,
+760 TFLOP/s), with the matmuls at 78% of that rate (the 256-row GEMMs' 76-81%) and 0.6 ms
+a step beside them.
 
     python bench/schedule_model.py [--max-num-seqs 256,512,1024] [--budget 8192]
 """
@@ -27,6 +29,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,13 +37,46 @@ class StepCost:
     """Seconds: a step's weights read, a token's matmuls, a context token's KV read, and
     a step's fixed cost."""
 
-    weights_s: float = 5.0e-3
-    token_s: float = 21e-6 / 0.78
-    kv_s: float = 131072 / 2.9e12
-    overhead_s: float = 0.6e-3
+    weights_s: float
+    token_s: float
+    kv_s: float
+    overhead_s: float
+
+    @classmethod
+    def for_model(
+        cls,
+        cfg: dict[str, Any],
+        copy_bytes_per_s: float,
+        flop_per_s: float,
+        matmul_share: float = 0.78,
+        overhead_s: float = 0.6e-3,
+    ) -> StepCost:
+        """A Llama-style ``cfg`` in bf16 on a GPU that copies ``copy_bytes_per_s`` and
+        multiplies at ``flop_per_s`` (its matmul ceiling; steps reach ``matmul_share``)."""
+        eb = _engine_bench()
+        p = eb.param_counts(cfg)
+        matmul_params = (
+            p["layers"] - 2 * cfg["hidden_size"] * cfg["num_hidden_layers"] + p["lm_head"]
+        )
+        return cls(
+            weights_s=eb.weight_bytes_per_step(cfg) / copy_bytes_per_s,
+            token_s=2 * matmul_params / (matmul_share * flop_per_s),
+            kv_s=eb.kv_bytes_per_token(cfg) / copy_bytes_per_s,
+            overhead_s=overhead_s,
+        )
 
     def __call__(self, tokens: int, kv_tokens: int) -> float:
         return max(self.weights_s, tokens * self.token_s) + kv_tokens * self.kv_s + self.overhead_s
+
+
+def _engine_bench() -> Any:
+    """``bench/engine_bench.py`` (bench/ is not a package), imported once."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import engine_bench
+
+    return engine_bench
 
 
 @dataclass
@@ -51,7 +87,7 @@ class _Seq:
 
 
 def simulate(
-    lengths: list[tuple[int, int]], max_num_seqs: int, budget: int, cost: StepCost = StepCost()
+    lengths: list[tuple[int, int]], max_num_seqs: int, budget: int, cost: StepCost
 ) -> dict[str, float]:
     """Runs ``(input, output)`` requests to completion; returns the seconds, the steps,
     the steps that prefill, and the output tokens/s."""
@@ -99,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-num-seqs", default="256,512,1024")
     ap.add_argument("--budget", type=int, default=8192)
+    ap.add_argument("--copy-gbps", type=float, default=3000.0, help="GPU copy bandwidth, GB/s")
+    ap.add_argument("--matmul-tflops", type=float, default=760.0, help="GPU bf16 matmul ceiling")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_bench import b_lengths  # bench/ is not a package
-
-    lengths = b_lengths()
+    eb = _engine_bench()
+    cost = StepCost.for_model(eb.LLAMA_31_8B, args.copy_gbps * 1e9, args.matmul_tflops * 1e12)
+    lengths = eb.b_lengths()
     for s in (int(v) for v in args.max_num_seqs.split(",")):
-        r = simulate(lengths, s, args.budget)
+        r = simulate(lengths, s, args.budget, cost)
         print(
             f"max_num_seqs {s:5d}: {r['steps']:5d} steps ({r['prefill_steps']} with prefill), "
             f"{r['seconds']:.1f} s, {r['output_tok_per_s']:,.0f} output tok/s"

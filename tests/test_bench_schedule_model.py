@@ -38,6 +38,20 @@ def test_a_step_costs_the_longer_of_weights_and_matmuls_plus_its_kv_reads() -> N
     assert c(1000, 0) == pytest.approx(10.0 + 0.5)  # matmul-bound
 
 
-def test_b_at_256_sequences_takes_the_steps_r89_measured() -> None:
-    r = sm.simulate(eb.b_lengths(), max_num_seqs=256, budget=8192)
-    assert (r["steps"], r["prefill_steps"]) == (1512, 402)  # r89: 1,511 and 402
+def test_b_takes_the_steps_r89_and_r90_measured() -> None:
+    lengths = eb.b_lengths()
+    steps = {n: sm.simulate(lengths, n, budget=8192, cost=FREE) for n in (256, 512, 1024)}
+    assert (steps[256]["steps"], steps[256]["prefill_steps"]) == (1512, 402)  # r89, r90: 1,511, 402
+    assert (steps[512]["steps"], steps[512]["prefill_steps"]) == (1196, 174)  # r90: 1,195, 174
+    assert (steps[1024]["steps"], steps[1024]["prefill_steps"]) == (1049, 26)  # r90: 1,048, 26
+
+
+def test_the_8b_costs_follow_its_published_size() -> None:
+    c = sm.StepCost.for_model(eb.LLAMA_31_8B, copy_bytes_per_s=3e12, flop_per_s=760e12)
+    # Llama 3.1 8B: 8,030,261,248 parameters, 525,336,576 of them the embedding table (read
+    # by a gather, not a step); the KV cache 32 layers x 8 heads x 128 x (K, V) x 2 bytes
+    assert c.weights_s == pytest.approx((8_030_261_248 - 525_336_576) * 2 / 3e12)
+    assert c.kv_s == pytest.approx(32 * 8 * 128 * 2 * 2 / 3e12)
+    # every matmul but the embedding's: the layers' and the head's, 2 FLOP a weight
+    matmul_params = 8_030_261_248 - 525_336_576 - 4096 * 65  # less the 65 RMSNorms' weights
+    assert c.token_s == pytest.approx(2 * matmul_params / (0.78 * 760e12))
