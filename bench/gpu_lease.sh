@@ -136,9 +136,16 @@ plan_single() {
   bench serve 300 serve --concurrency 1,16,64,256
 }
 
+b_args() {  # b_args NAME KEY=VALUE...: workload B, an engine of its own with these settings
+  local name=$1 args=()
+  shift
+  for kv in "$@"; do args+=(--engine-arg "$kv"); done
+  step "$name" 200 python3 bench/engine_bench.py --out-dir "$RES/$name" --ckpt "$CKPT" \
+    --phases b "${args[@]}"
+}
+
 b_seqs() {  # b_seqs MAX_NUM_SEQS NAME: workload B, an engine of its own, in $RES/NAME
-  step "$2" 200 python3 bench/engine_bench.py --out-dir "$RES/$2" --ckpt "$CKPT" --phases b \
-    --engine-arg "max_num_seqs=$1"
+  b_args "$2" "max_num_seqs=$1"
 }
 
 # Builds a variant of this tree from a patch (bench/patches) for a plan to measure.
@@ -155,55 +162,20 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-# r90 (one H100, ~15 minutes): the GPU tests not yet run at this code on an H100; B at
-# 256, 1,024 and 512 running sequences (NOTES e82: vLLM's default on an H100 is 1,024),
-# alternated; then the rest of e80 (`auto`'s slower decode graph; r89: capture order is
-# not the cause), alternated: HEAD, the decode graphs in a pool of their own, first.
-plan_r90() {  # B at 256/1,024 seqs first (e82 may change a default), then tests, then e80
+plan_r91() {  # e83 (one H100, ~11 minutes): B at 256 against 512 running sequences,
+  # alternated three times; 1,024 with decode graphs up to 512 rows against 1,024 without
   facts
   ckpt_write
   b_seqs 256 b-256
-  b_seqs 1024 b-1024
-  b_seqs 256 b-256-2
-  b_seqs 1024 b-1024-2
-  run_phase c-default 150 c
-  step tests-gpu-rest 400 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
-    tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
   b_seqs 512 b-512
-  run_phase c-auto 150 c-auto
-  variant_tree e80_decode_graphs_own_pool.patch e80-pool
-  run_phase c-auto-pool 150 c-auto
-  variant_tree e80_decode_graphs_first.patch e80-first
-  run_phase c-auto-first 150 c-auto
-  install_tree . head
-  run_phase c-auto-2 150 c-auto
-  install_tree /tmp/e80-pool e80-pool
-  run_phase c-auto-pool-2 150 c-auto
-  install_tree . head
-}
-
-plan_r90s() {  # plan_r90 cut to ~9 minutes: e82's B alternation, C, the tests
-  facts
-  ckpt_write
-  b_seqs 256 b-256
-  b_seqs 1024 b-1024
   b_seqs 256 b-256-2
+  b_seqs 512 b-512-2
+  b_seqs 256 b-256-3
+  b_seqs 512 b-512-3
+  b_args b-1024-g512 max_num_seqs=1024 cuda_graph_max_batch=512
+  b_seqs 1024 b-1024
+  b_args b-1024-g512-2 max_num_seqs=1024 cuda_graph_max_batch=512
   b_seqs 1024 b-1024-2
-  run_phase c-default 150 c
-  step tests-gpu-rest 400 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
-    tests/gpu/test_int4_cuda.py tests/gpu/test_structured_cuda.py
-}
-
-plan_r90t() {  # plan_r90's rest, on the same warm machine after plan_r90s
-  b_seqs 512 b-512
-  run_phase c-auto 150 c-auto
-  variant_tree e80_decode_graphs_own_pool.patch e80-pool
-  run_phase c-auto-pool 150 c-auto
-  install_tree . head
-  run_phase c-auto-2 150 c-auto
-  install_tree /tmp/e80-pool e80-pool
-  run_phase c-auto-pool-2 150 c-auto
-  install_tree . head
 }
 
 case "$1" in
