@@ -14,8 +14,8 @@ instead gives 1,507 steps at 256 sequences, 399 with prefill.
 Each step costs ``max(weights_s, tokens * token_s) + kv_tokens * kv_s + overhead_s``: the
 weights' read or the step's matmuls, whichever is longer, then the decode rows' KV reads
 (their contexts), then a fixed cost. ``StepCost.for_model`` derives the first three from a
-config (``engine_bench``'s arithmetic: bf16 weights but the embedding table read once a
-step, 2 FLOP a parameter a token, the KV bytes a context token) and a GPU's measured copy
+config (``engine_bench``'s arithmetic: every bf16 weight but the embedding table read
+once a step, 2 FLOP a matmul weight a token, the KV bytes a context token) and a GPU's measured copy
 bandwidth and matmul rate; the command line's defaults are r88's H100 ceilings (3,000 GB/s,
 760 TFLOP/s), with the matmuls at 78% of that rate (the 256-row GEMMs' 76-81%) and 0.6 ms
 a step beside them.
