@@ -171,7 +171,8 @@ kernel_trace = _sibling("kernel_trace")
 
 # ---------------------------------------------------------------- pure arithmetic
 def param_counts(cfg: dict[str, Any]) -> dict[str, int]:
-    """Parameters of a Llama-style model: embedding, LM head, per-layer, total."""
+    """Parameters of a Llama-style model: embedding, LM head, the layers (``linear``: their
+    matmuls' weights alone, the norms left out), total."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * d
@@ -180,7 +181,8 @@ def param_counts(cfg: dict[str, Any]) -> dict[str, int]:
     embed = v * h
     head = 0 if cfg.get("tie_word_embeddings") else v * h
     total = embed + head + n * layer + h
-    return {"embed": embed, "lm_head": head, "layers": n * layer, "total": total}
+    linear = n * (layer - 2 * h)
+    return {"embed": embed, "lm_head": head, "layers": n * layer, "linear": linear, "total": total}
 
 
 def kv_bytes_per_token(cfg: dict[str, Any], elem_bytes: int = 2) -> int:
@@ -210,7 +212,7 @@ def int4_weight_bytes_per_step(cfg: dict[str, Any], group: int, zeros: bool) -> 
     p = param_counts(cfg)
     h, n = cfg["hidden_size"], cfg["num_hidden_layers"]
     norms = 2 * h * n + h
-    linear = p["layers"] - 2 * h * n
+    linear = p["linear"]
     per_group = 4 + (1 if zeros else 0)
     return linear // 2 + linear // group * per_group + (p["lm_head"] + norms) * 2
 

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_bench as eb  # bench/ is not a package
+
 
 @dataclass(frozen=True)
 class StepCost:
@@ -53,30 +56,16 @@ class StepCost:
     ) -> StepCost:
         """A Llama-style ``cfg`` in bf16 on a GPU that copies ``copy_bytes_per_s`` and
         multiplies at ``flop_per_s`` (its matmul ceiling; steps reach ``matmul_share``)."""
-        eb = _engine_bench()
         p = eb.param_counts(cfg)
-        matmul_params = (
-            p["layers"] - 2 * cfg["hidden_size"] * cfg["num_hidden_layers"] + p["lm_head"]
-        )
         return cls(
             weights_s=eb.weight_bytes_per_step(cfg) / copy_bytes_per_s,
-            token_s=2 * matmul_params / (matmul_share * flop_per_s),
+            token_s=2 * (p["linear"] + p["lm_head"]) / (matmul_share * flop_per_s),
             kv_s=eb.kv_bytes_per_token(cfg) / copy_bytes_per_s,
             overhead_s=overhead_s,
         )
 
     def __call__(self, tokens: int, kv_tokens: int) -> float:
         return max(self.weights_s, tokens * self.token_s) + kv_tokens * self.kv_s + self.overhead_s
-
-
-def _engine_bench() -> Any:
-    """``bench/engine_bench.py`` (bench/ is not a package), imported once."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import engine_bench
-
-    return engine_bench
 
 
 @dataclass
@@ -138,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-gbps", type=float, default=3000.0, help="GPU copy bandwidth, GB/s")
     ap.add_argument("--matmul-tflops", type=float, default=760.0, help="GPU bf16 matmul ceiling")
     args = ap.parse_args(argv)
-    eb = _engine_bench()
     cost = StepCost.for_model(eb.LLAMA_31_8B, args.copy_gbps * 1e9, args.matmul_tflops * 1e12)
     lengths = eb.b_lengths()
     for s in (int(v) for v in args.max_num_seqs.split(",")):
