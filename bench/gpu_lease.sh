@@ -178,6 +178,31 @@ plan_r91() {  # e83 (one H100, ~11 minutes): B at 256 against 512 running sequen
   b_seqs 1024 b-1024-2
 }
 
+c_args() {  # c_args NAME KEY=VALUE...: workload C, an engine of its own with these settings
+  local name=$1 args=()
+  shift
+  for kv in "$@"; do args+=(--engine-arg "$kv"); done
+  step "$name" 200 python3 bench/engine_bench.py --out-dir "$RES/$name" --ckpt "$CKPT" \
+    --phases c "${args[@]}"
+}
+
+plan_r91c() {  # C at 1,024 sequences with graphs to 512 rows against the default, alternated
+  [ -f "$CKPT/config.json" ] || ckpt_write
+  c_args c-256
+  c_args c-1024-g512 max_num_seqs=1024 cuda_graph_max_batch=512
+  c_args c-256-2
+  c_args c-1024-g512-2 max_num_seqs=1024 cuda_graph_max_batch=512
+}
+
+plan_r91d() {  # D at c=256 at 1,024 sequences with graphs to 512 rows against the default
+  [ -f "$CKPT/config.json" ] || ckpt_write
+  step d-256 240 python3 bench/engine_bench.py --out-dir "$RES/d-256" --ckpt "$CKPT" \
+    --phases serve --concurrency 256
+  step d-1024-g512 240 python3 bench/engine_bench.py --out-dir "$RES/d-1024-g512" \
+    --ckpt "$CKPT" --phases serve --concurrency 256 \
+    --serve-args "--max-num-seqs 1024 --cuda-graph-max-batch 512"
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
