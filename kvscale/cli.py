@@ -111,7 +111,7 @@ def _serve_draft(args: argparse.Namespace) -> int:
 def _add_serve_draft_arguments(p: argparse.ArgumentParser) -> None:
     from dataclasses import fields
 
-    from kvscale.server.config import EngineConfig
+    from kvscale.server.config import DEFAULT_BATCH, EngineConfig
     from kvscale.server.spec_decode.draft_runner import DEFAULT_TOP_M
 
     settings = {f.name: f for f in fields(EngineConfig)}
@@ -154,7 +154,13 @@ def _add_serve_draft_arguments(p: argparse.ArgumentParser) -> None:
     )
     setting("device", str)
     setting("dtype", str)
-    setting("max_num_seqs", int)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_BATCH[0],
+        help="sequences per batch: the target's --max-num-seqs (default: %(default)s, the "
+        "target's own default with speculative decoding)",
+    )
     setting("max_model_len", int)
     setting("block_size", int)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (or:)")

@@ -43,6 +43,39 @@ _DTYPES = {
 }
 
 
+# Batch limits left unset (bench/NOTES.md "e83 measured", r91 on an H100): 1,024 running
+# sequences with decode graphs to 512 rows gave workload B +9-12% over 256 and 256 and
+# left C and D unchanged; vLLM's defaults for such GPUs are the same pair.
+LARGE_GPU_BYTES = 70 * 2**30
+LARGE_GPU_BATCH = (1024, 512)  # (max_num_seqs, cuda_graph_max_batch)
+DEFAULT_BATCH = (256, 256)
+
+
+def default_batch_limits(gpu_bytes: int | None, speculative: bool) -> tuple[int, int]:
+    """``(max_num_seqs, cuda_graph_max_batch)`` for settings left unset: ``LARGE_GPU_BATCH``
+    when the smallest GPU the engine runs on has ``gpu_bytes`` >= 70 GiB and there is no
+    speculative decoding (which gains at small batches, and whose draft is sized to the
+    target's batch), else ``DEFAULT_BATCH``. ``gpu_bytes`` None: no GPU."""
+    if gpu_bytes is not None and gpu_bytes >= LARGE_GPU_BYTES and not speculative:
+        return LARGE_GPU_BATCH
+    return DEFAULT_BATCH
+
+
+def smallest_gpu_bytes(device: str, tensor_parallel_size: int) -> int | None:
+    """Total memory in bytes of the smallest GPU an engine on ``device`` (auto, cuda or
+    cuda:N; rank r on GPU r) would use; None on CPU, without CUDA, or when those GPUs are
+    not there (``torch_device`` then says so)."""
+    index = device.removeprefix("cuda:")
+    if device == "cpu" or (index != device and not index.isdigit()):
+        return None
+    if not torch.cuda.is_available():
+        return None
+    ids = [int(index)] if index != device else range(tensor_parallel_size)
+    if max(ids) >= torch.cuda.device_count():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in ids)
+
+
 class CheckpointError(ValueError):
     """The path is not a usable checkpoint (missing files, unsupported model, bad tensors)."""
 
@@ -117,7 +150,12 @@ class EngineConfig:
         None, "context length in tokens (default: the model's)", group="model", min=2
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
-    max_num_seqs: int = setting(256, "sequences per batch", min=1)
+    max_num_seqs: int | None = setting(
+        None,
+        "sequences per batch (default: 1024 on CUDA GPUs of at least 70 GiB without "
+        "speculative decoding, else 256; at most --max-num-batched-tokens)",
+        min=1,
+    )
     max_num_batched_tokens: int | None = setting(
         None, "new tokens per step (default: max(8192, max-num-seqs))", min=1
     )
@@ -144,8 +182,11 @@ class EngineConfig:
         "piecewise graph runs (with a piecewise mode: the pieces --piecewise-compiler "
         "made); slower start-up",
     )
-    cuda_graph_max_batch: int = setting(
-        256, "largest decode batch captured as a CUDA graph; 0 = none", min=0
+    cuda_graph_max_batch: int | None = setting(
+        None,
+        "largest decode batch captured as a CUDA graph; 0 = none (default: 512 where "
+        "--max-num-seqs defaults to 1024, else 256)",
+        min=0,
     )
     cuda_graph_mode: str = setting(
         "full_decode_only",
@@ -286,6 +327,15 @@ class EngineConfig:
         hints = typing.get_type_hints(type(self))
         for f in fields(self):
             _check_setting(f, getattr(self, f.name), hints[f.name])
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.max_num_seqs is None or self.cuda_graph_max_batch is None:
+            gpu = smallest_gpu_bytes(self.device, self.tensor_parallel_size)
+            seqs, graphs = default_batch_limits(gpu, self.speculative_method is not None)
+            if self.max_num_seqs is None:
+                self.max_num_seqs = min(seqs, self.max_num_batched_tokens or seqs)
+            if self.cuda_graph_max_batch is None:
+                self.cuda_graph_max_batch = graphs
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -297,8 +347,6 @@ class EngineConfig:
         check_speculative(self)
         if self.dtype != "auto":
             parse_dtype(self.dtype)
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(
                 f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size}: "

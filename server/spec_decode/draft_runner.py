@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvscale.server.config import EngineConfig, ModelConfig, ResolvedConfig
+from kvscale.server.config import DEFAULT_BATCH, EngineConfig, ModelConfig, ResolvedConfig
 from kvscale.server.engine.block_manager import BlockManager
 from kvscale.server.layers.sampler import row_seed
 from kvscale.server.spec_decode.prefix import as_token_list, held_prefix_len
@@ -150,7 +150,7 @@ def draft_engine_config(
     device: str = "auto",
     dtype: str = "auto",
     block_size: int = 16,
-    max_num_seqs: int = 256,
+    max_num_seqs: int = DEFAULT_BATCH[0],
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     num_kv_blocks: int | None = None,
