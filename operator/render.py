@@ -235,9 +235,10 @@ def server_args(spec: LLMDeploymentSpec, port: int = c.SERVER_PORT) -> list[str]
         "--port", str(port),
         "--device", eng.device,
         "--dtype", model.dtype,
-        "--max-num-seqs", str(eng.max_num_seqs),
         "--drain-timeout", str(spec.lifecycle.drain_timeout_seconds),
     ]  # fmt: skip
+    if eng.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(eng.max_num_seqs)]
     if eng.device == "cuda":
         args += ["--gpu-memory-utilization", f"{eng.gpu_memory_utilization:g}"]
     if model.max_model_len is not None:
@@ -302,8 +303,9 @@ def draft_args(spec: LLMDeploymentSpec) -> list[str]:
         "--socket", c.DRAFT_SOCKET,
         "--device", "cuda" if _draft_gpus(spec) else "cpu",
         "--dtype", spec.model.dtype,
-        "--max-num-seqs", str(spec.engine.max_num_seqs),
     ]  # fmt: skip
+    if spec.engine.max_num_seqs is not None:  # else both default to 256 with speculation
+        args += ["--max-num-seqs", str(spec.engine.max_num_seqs)]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     return args

@@ -200,7 +200,7 @@ class EngineSpec:
     quantization: str = "none"
     prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: the server's default (by GPU size)
     gpu_memory_utilization: float = 0.9
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
@@ -368,9 +368,9 @@ def _parse_engine(raw: Mapping[str, Any]) -> EngineSpec:
     why = server_flags.extra_args_error(extra)
     if why is not None:
         raise _err(f"{path}.extraArgs", why)
-    max_num_seqs = _bounded(raw, "maxNumSeqs", path, 256)
+    max_num_seqs = _bounded(raw, "maxNumSeqs", path, None)
     max_batched = _bounded(raw, "maxNumBatchedTokens", path, None)
-    if max_batched is not None and max_batched < max_num_seqs:
+    if None not in (max_batched, max_num_seqs) and max_batched < max_num_seqs:
         raise _err(
             f"{path}.maxNumBatchedTokens",
             f"must be >= maxNumSeqs ({max_num_seqs}) so every running sequence can decode "

@@ -142,6 +142,18 @@ def test_specs_that_crash_looped_are_refused_at_admission(
     assert server_refusal(server_args(parse_spec(crd_schema.default({"spec": ok})["spec"]))) is None
 
 
+def test_max_num_batched_tokens_alone_caps_the_servers_default(
+    crd_schema: StructuralSchema,
+) -> None:
+    # no maxNumSeqs: the server picks 256 or 1024 by GPU, at most maxNumBatchedTokens
+    spec = {**BASE, "engine": {"maxNumBatchedTokens": 100}}
+    assert crd_accepts(crd_schema, spec) == []
+    assert operator_accepts(crd_schema, spec) is None
+    args = server_args(parse_spec(crd_schema.default({"spec": spec})["spec"]))
+    assert "--max-num-seqs" not in args
+    assert server_refusal(args) is None
+
+
 def test_replicas_and_context_have_maxima(crd_schema: StructuralSchema) -> None:
     for spec in (
         {**BASE, "replicas": admission.MAX_REPLICAS + 1},

@@ -271,8 +271,9 @@ def test_speculative_example_runs_the_draft_in_a_sidecar(make_llmd: MakeLLMD) ->
         "--socket", "/var/run/kvscale-draft/draft.sock",
         "--device", "cuda",
         "--dtype", "auto",
-        "--max-num-seqs", "256",
     ]  # fmt: skip
+    # no maxNumSeqs: target and draft at the server's default with speculation (256)
+    assert "--max-num-seqs" not in server["args"]
     assert "ports" not in draft  # no TCP: a binary protocol on the Unix socket
     assert draft["resources"]["limits"] == {c.GPU_RESOURCE: "1", "memory": "16Gi"}
     socket_test = {"command": ["test", "-S", "/var/run/kvscale-draft/draft.sock"]}
