@@ -136,13 +136,17 @@ plan_single() {
   bench serve 300 serve --concurrency 1,16,64,256
 }
 
-b_args() {  # b_args NAME KEY=VALUE...: workload B, an engine of its own with these settings
-  local name=$1 args=()
-  shift
+engine_args() {  # engine_args PHASE NAME KEY=VALUE...: one engine_bench phase, an engine
+  # of its own with these settings, in $RES/NAME
+  local phase=$1 name=$2 args=()
+  shift 2
   for kv in "$@"; do args+=(--engine-arg "$kv"); done
   step "$name" 200 python3 bench/engine_bench.py --out-dir "$RES/$name" --ckpt "$CKPT" \
-    --phases b "${args[@]}"
+    --phases "$phase" "${args[@]}"
 }
+
+b_args() { engine_args b "$@"; }  # b_args NAME KEY=VALUE...: workload B
+c_args() { engine_args c "$@"; }  # c_args NAME KEY=VALUE...: workload C
 
 b_seqs() {  # b_seqs MAX_NUM_SEQS NAME: workload B, an engine of its own, in $RES/NAME
   b_args "$2" "max_num_seqs=$1"
@@ -161,47 +165,6 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # Plans already run are removed once their results are committed: each results README
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
-
-plan_r91() {  # e83 (one H100, ~11 minutes): B at 256 against 512 running sequences,
-  # alternated three times; 1,024 with decode graphs up to 512 rows against 1,024 without
-  facts
-  ckpt_write
-  b_seqs 256 b-256
-  b_seqs 512 b-512
-  b_seqs 256 b-256-2
-  b_seqs 512 b-512-2
-  b_seqs 256 b-256-3
-  b_seqs 512 b-512-3
-  b_args b-1024-g512 max_num_seqs=1024 cuda_graph_max_batch=512
-  b_seqs 1024 b-1024
-  b_args b-1024-g512-2 max_num_seqs=1024 cuda_graph_max_batch=512
-  b_seqs 1024 b-1024-2
-}
-
-c_args() {  # c_args NAME KEY=VALUE...: workload C, an engine of its own with these settings
-  local name=$1 args=()
-  shift
-  for kv in "$@"; do args+=(--engine-arg "$kv"); done
-  step "$name" 200 python3 bench/engine_bench.py --out-dir "$RES/$name" --ckpt "$CKPT" \
-    --phases c "${args[@]}"
-}
-
-plan_r91c() {  # C at 1,024 sequences with graphs to 512 rows against the default, alternated
-  [ -f "$CKPT/config.json" ] || ckpt_write
-  c_args c-256
-  c_args c-1024-g512 max_num_seqs=1024 cuda_graph_max_batch=512
-  c_args c-256-2
-  c_args c-1024-g512-2 max_num_seqs=1024 cuda_graph_max_batch=512
-}
-
-plan_r91d() {  # D at c=256 at 1,024 sequences with graphs to 512 rows against the default
-  [ -f "$CKPT/config.json" ] || ckpt_write
-  step d-256 240 python3 bench/engine_bench.py --out-dir "$RES/d-256" --ckpt "$CKPT" \
-    --phases serve --concurrency 256
-  step d-1024-g512 240 python3 bench/engine_bench.py --out-dir "$RES/d-1024-g512" \
-    --ckpt "$CKPT" --phases serve --concurrency 256 \
-    --serve-args "--max-num-seqs 1024 --cuda-graph-max-batch 512"
-}
 
 case "$1" in
   start)
