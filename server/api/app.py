@@ -200,7 +200,7 @@ async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) 
         info = await aeng.start()
         log.info(
             "[2/3] model loaded in %.1fs: %s on %s, %s, max_model_len %d, KV cache %d blocks "
-            "x %d tokens",
+            "x %d tokens, max_num_seqs %d, cuda_graph_max_batch %d",
             time.perf_counter() - t0,
             info["architecture"],
             info["device"],
@@ -208,6 +208,8 @@ async def _start_engine(state: ServerState, factory: Callable[[], AsyncEngine]) 
             aeng.max_model_len,
             info["num_kv_blocks"],
             info["block_size"],
+            aeng.config.max_num_seqs,
+            aeng.config.cuda_graph_max_batch,
         )
         state.engine = aeng
         base: list[EngineStats | None] = [None]

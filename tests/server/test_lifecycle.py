@@ -27,6 +27,11 @@ def server(llama_ckpt: Path, start_server: Callable[..., ServerProcess]) -> Serv
     )  # fmt: skip
 
 
+def test_the_start_log_names_the_batch_limits(server: ServerProcess) -> None:
+    # --max-num-seqs as given; the graphs' limit at its default on a CPU
+    assert "max_num_seqs 1, cuda_graph_max_batch 256" in server.log(), server.log()
+
+
 def _stream_body(max_tokens: int = LONG) -> dict[str, Any]:
     return {
         "prompt": [1, 415, 2936, 9060],
