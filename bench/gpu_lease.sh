@@ -166,6 +166,20 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
+plan_r93() {  # e84 (one H100, ~10 minutes): the GPU tests under the new batch defaults;
+  # B at them three times, alternated with decode graphs to 1,024 rows; C, A, B in one engine
+  facts
+  ckpt_write
+  step tests-gpu 420 "${PT[@]}" tests/gpu/test_batch_defaults_cuda.py \
+    tests/gpu/test_engine_cuda.py tests/gpu/test_piecewise_cuda.py
+  b_args b-default
+  b_args b-g1024 cuda_graph_max_batch=1024
+  b_args b-default-2
+  b_args b-g1024-2 cuda_graph_max_batch=1024
+  b_args b-default-3
+  run_phase base 300 ceilings,ours
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
