@@ -66,11 +66,10 @@ def smallest_gpu_bytes(device: str, tensor_parallel_size: int) -> int | None:
     cuda:N; rank r on GPU r) would use; None on CPU, without CUDA, or when those GPUs are
     not there (``torch_device`` then says so)."""
     index = device.removeprefix("cuda:")
-    if device == "cpu" or (index != device and not index.isdigit()):
+    numbered = index != device
+    if device == "cpu" or (numbered and not index.isdigit()) or not torch.cuda.is_available():
         return None
-    if not torch.cuda.is_available():
-        return None
-    ids = [int(index)] if index != device else range(tensor_parallel_size)
+    ids = [int(index)] if numbered else range(tensor_parallel_size)
     if max(ids) >= torch.cuda.device_count():
         return None
     return min(torch.cuda.get_device_properties(i).total_memory for i in ids)
