@@ -166,17 +166,19 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r93() {  # e84 (one H100, ~10 minutes): the GPU tests under the new batch defaults;
-  # B at them three times, alternated with decode graphs to 1,024 rows; C, A, B in one engine
+plan_r93() {  # e84, e85 (one H100, ~15 minutes): B at the new batch defaults three times,
+  # alternated with decode graphs to 1,024 rows, on the fresh machine; the decode kernel's
+  # configs at large batches; the GPU tests the defaults touch; C, A, B in one engine
   facts
   ckpt_write
-  step tests-gpu 420 "${PT[@]}" tests/gpu/test_batch_defaults_cuda.py \
-    tests/gpu/test_engine_cuda.py tests/gpu/test_piecewise_cuda.py
   b_args b-default
   b_args b-g1024 cuda_graph_max_batch=1024
   b_args b-default-2
   b_args b-g1024-2 cuda_graph_max_batch=1024
   b_args b-default-3
+  step tune-batch 300 python3 bench/tune_kernels.py --only batch
+  step tests-gpu 420 "${PT[@]}" tests/gpu/test_batch_defaults_cuda.py \
+    tests/gpu/test_engine_cuda.py tests/gpu/test_piecewise_cuda.py
   run_phase base 300 ceilings,ours
 }
 
