@@ -166,20 +166,31 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r93() {  # e84, e85 (one H100, ~15 minutes): B at the new batch defaults three times,
-  # alternated with decode graphs to 1,024 rows, on the fresh machine; the decode kernel's
-  # configs at large batches; the GPU tests the defaults touch; C, A, B in one engine
+a_fp8kv() {  # a_fp8kv NAME: workload A with FP8 weights and an FP8 KV cache, an engine of
+  # its own, in $RES/NAME
+  engine_args a "$1" quantization=fp8 kv_cache_dtype=fp8
+}
+
+plan_r94() {  # e85's config for FP8 caches, e84's default (one H100, ~10 minutes): the
+  # decode kernel's tests natively, the engine's GPU tests of FP8 caches and of the
+  # defaults; A with FP8 weights + KV at HEAD and with the config off
+  # (bench/patches/e85_fp8_decode_config_off.patch), alternated twice; B at the defaults
   facts
   ckpt_write
+  step tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_fp8_kv.py \
+    tests/kernels/test_paged_decode.py
+  step tests-gpu 300 "${PT[@]}" tests/gpu/test_batch_defaults_cuda.py \
+    tests/gpu/test_engine_cuda.py -k "fp8 or batch_defaults"
+  a_fp8kv a-head
+  variant_tree e85_fp8_decode_config_off.patch prev
+  a_fp8kv a-prev
+  install_tree . head
+  a_fp8kv a-head-2
+  install_tree /tmp/prev prev
+  a_fp8kv a-prev-2
+  install_tree . head
   b_args b-default
-  b_args b-g1024 cuda_graph_max_batch=1024
-  b_args b-default-2
-  b_args b-g1024-2 cuda_graph_max_batch=1024
-  b_args b-default-3
-  step tune-batch 300 python3 bench/tune_kernels.py --only batch
-  step tests-gpu 420 "${PT[@]}" tests/gpu/test_batch_defaults_cuda.py \
-    tests/gpu/test_engine_cuda.py tests/gpu/test_piecewise_cuda.py
-  run_phase base 300 ceilings,ours
+  bench kernels-a 240 decode-kernels-a
 }
 
 case "$1" in

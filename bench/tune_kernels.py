@@ -56,7 +56,7 @@ def main() -> None:
     for splits, bn, warps, stages in itertools.product(
         [16, 33, 64, 128, 256], [32, 64, 128], [2, 4, 8], [2, 3, 4]
     ):
-        pd.decode_config = lambda h, b, bn=bn, w=warps, s=stages: {
+        pd.decode_config = lambda h, b, *_, bn=bn, w=warps, s=stages: {
             "BLOCK_N": bn,
             "num_warps": w,
             "num_stages": s,
@@ -177,7 +177,6 @@ def sweep_batch_decode() -> None:
 
     dev = torch.device("cuda")
     cases = {"A 256x520": [520] * 256, "B decode rows": kb.b_decode_contexts()}
-    default = pd.decode_config(kb.HEAD_DIM, 16)
     orig = pd.decode_config
     for (name, ctx), fp8 in itertools.product(cases.items(), (False, True)):
         if fp8 and not name.startswith("A"):
@@ -206,7 +205,7 @@ def sweep_batch_decode() -> None:
         rows = []
         for bn, warps, stages in itertools.product([16, 32, 64, 128], [2, 4, 8], [1, 2, 3, 4]):
             cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-            pd.decode_config = lambda h, b, cfg=cfg: cfg
+            pd.decode_config = lambda h, b, *_, cfg=cfg: cfg
             try:
                 t = float(
                     triton.testing.do_bench(
@@ -219,7 +218,7 @@ def sweep_batch_decode() -> None:
             except Exception as e:
                 print(f"{name} fp8={fp8} {cfg}: {type(e).__name__}")
                 continue
-            mark = " (default)" if cfg == default else ""
+            mark = " (default)" if cfg == orig(kb.HEAD_DIM, 16, fp8) else ""
             rows.append((t, f"BLOCK_N={bn} warps={warps} stages={stages}{mark}"))
         pd.decode_config = orig
         print(

@@ -43,11 +43,12 @@ _DTYPES = {
 }
 
 
-# Batch limits left unset (bench/NOTES.md "e83 measured", r91 on an H100): 1,024 running
-# sequences with decode graphs to 512 rows gave workload B +9-12% over 256 and 256 and
-# left C and D unchanged; vLLM's defaults for such GPUs are the same pair.
+# Batch limits left unset (bench/NOTES.md "e83 measured", "e84 measured", r91 and r93 on
+# H100s): 1,024 running sequences with decode graphs to 512 rows gave workload B +9-12%
+# over 256 and 256 and left C and D unchanged (vLLM's pair for such GPUs); graphs to all
+# 1,024 rows then gave B another +0.6-1.9%, the eager steps of 513-1,024 rows' host time.
 LARGE_GPU_BYTES = 70 * 2**30
-LARGE_GPU_BATCH = (1024, 512)  # (max_num_seqs, cuda_graph_max_batch)
+LARGE_GPU_BATCH = (1024, 1024)  # (max_num_seqs, cuda_graph_max_batch)
 DEFAULT_BATCH = (256, 256)
 
 
@@ -183,7 +184,7 @@ class EngineConfig:
     )
     cuda_graph_max_batch: int | None = setting(
         None,
-        "largest decode batch captured as a CUDA graph; 0 = none (default: 512 where "
+        "largest decode batch captured as a CUDA graph; 0 = none (default: 1024 where "
         "--max-num-seqs defaults to 1024, else 256)",
         min=0,
     )
@@ -333,8 +334,8 @@ class EngineConfig:
             seqs, graphs = default_batch_limits(gpu, self.speculative_method is not None)
             if self.max_num_seqs is None:
                 self.max_num_seqs = min(seqs, self.max_num_batched_tokens or seqs)
-            if self.cuda_graph_max_batch is None:
-                self.cuda_graph_max_batch = graphs
+            if self.cuda_graph_max_batch is None:  # no graph larger than a step can be
+                self.cuda_graph_max_batch = min(graphs, self.max_num_seqs)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -116,6 +116,18 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(0, 8, 32768, 132) >= 1
 
 
+def test_decode_config_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as on CUDA: an FP8 cache without splits takes e85's 2 warps and 4 stages, the rest
+    # (bf16, or split grids such as batch-1 decode) the tuned 4 warps and 3 stages
+    monkeypatch.setattr(paged_decode, "is_interpreter", lambda: False)
+    cfg = paged_decode.decode_config
+    assert cfg(128, 16) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    assert cfg(128, 16, kv_fp8=True) == {"BLOCK_N": 64, "num_warps": 2, "num_stages": 4}
+    assert cfg(128, 16, kv_fp8=True, split=True) == cfg(128, 16)
+    assert cfg(128, 16, split=True) == cfg(128, 16)
+    assert cfg(256, 16)["BLOCK_N"] == 32 and cfg(128, 128)["BLOCK_N"] == 128
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, None, 7])

@@ -1,6 +1,7 @@
 """The batch limits an engine picks when ``max_num_seqs``/``cuda_graph_max_batch`` are
-left unset: 1,024 sequences with decode graphs to 512 rows on GPUs of at least 70 GiB
-(bench/NOTES.md "e83 measured"), 256 and 256 elsewhere and with speculative decoding."""
+left unset: 1,024 sequences with decode graphs to 1,024 rows on GPUs of at least 70 GiB
+(bench/NOTES.md "e83 measured", "e84 measured"), 256 and 256 elsewhere and with
+speculative decoding; the graphs' default never above ``max_num_seqs``."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ GIB = 2**30
         (None, False, (256, 256)),  # CPU
         (24 * GIB, False, (256, 256)),
         (70 * GIB - 1, False, (256, 256)),
-        (70 * GIB, False, (1024, 512)),
-        (80 * GIB, False, (1024, 512)),
-        (141 * GIB, False, (1024, 512)),
+        (70 * GIB, False, (1024, 1024)),
+        (80 * GIB, False, (1024, 1024)),
+        (141 * GIB, False, (1024, 1024)),
         (80 * GIB, True, (256, 256)),
     ],
 )
@@ -78,9 +79,15 @@ def test_set_values_win_and_the_token_budget_caps_the_default(
     assert (cfg.max_num_seqs, cfg.cuda_graph_max_batch) == (64, 0)
     assert h100 == []  # nothing left to default: no GPU query
     cfg = EngineConfig(max_num_seqs=64)
-    assert (cfg.max_num_seqs, cfg.cuda_graph_max_batch) == (64, 512)
+    assert (cfg.max_num_seqs, cfg.cuda_graph_max_batch) == (64, 64)
+    cfg = EngineConfig(max_num_seqs=2048, max_num_batched_tokens=8192)
+    assert (cfg.max_num_seqs, cfg.cuda_graph_max_batch) == (2048, 1024)
     cfg = EngineConfig(max_num_batched_tokens=600)
-    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (600, 600)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.cuda_graph_max_batch) == (
+        600,
+        600,
+        600,
+    )
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(600\) must be >= "):
         EngineConfig(max_num_seqs=1024, max_num_batched_tokens=600)
 

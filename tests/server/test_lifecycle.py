@@ -28,8 +28,8 @@ def server(llama_ckpt: Path, start_server: Callable[..., ServerProcess]) -> Serv
 
 
 def test_the_start_log_names_the_batch_limits(server: ServerProcess) -> None:
-    # --max-num-seqs as given; the graphs' limit at its default on a CPU
-    assert "max_num_seqs 1, cuda_graph_max_batch 256" in server.log(), server.log()
+    # --max-num-seqs as given; the graphs' limit defaults to at most that
+    assert "max_num_seqs 1, cuda_graph_max_batch 1" in server.log(), server.log()
 
 
 def _stream_body(max_tokens: int = LONG) -> dict[str, Any]:
