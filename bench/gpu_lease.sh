@@ -166,31 +166,40 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-a_fp8kv() {  # a_fp8kv NAME: workload A with FP8 weights and an FP8 KV cache, an engine of
-  # its own, in $RES/NAME
-  engine_args a "$1" quantization=fp8 kv_cache_dtype=fp8
+engine_memory() {  # engine_memory NAME: a bf16 engine at the defaults; its GPU memory after
+  # start-up (the decode graphs' included) and the KV pool's blocks, as JSON
+  step "$1" 120 python3 -c "
+import json, torch
+from kvscale.server import LLM
+llm = LLM('$CKPT')
+w = llm.engine.worker
+print(json.dumps({'kv_blocks': w.num_kv_blocks, 'graphs': w.graphs.batch_sizes[-1],
+                  'allocated_gib': torch.cuda.memory_allocated() / 2**30,
+                  'reserved_gib': torch.cuda.memory_reserved() / 2**30,
+                  'free_gib': torch.cuda.mem_get_info()[0] / 2**30}))"
 }
 
-plan_r94() {  # e85's config for FP8 caches, e84's default (one H100, ~10 minutes): the
-  # decode kernel's tests natively, the engine's GPU tests of FP8 caches and of the
-  # defaults; A with FP8 weights + KV at HEAD and with the config off
-  # (bench/patches/e85_fp8_decode_config_off.patch), alternated twice; B at the defaults
+plan_r95() {  # e86 (one H100, ~9 minutes): the decode graphs' shared logits and e85's
+  # FP8-cache config. GPU tests; FP8 A at the defaults (r94: out of memory); the memory an
+  # engine holds; then at 256 sequences (which the code before runs) A with FP8 weights +
+  # KV and C, HEAD against the code before (bench/patches/e86_before.patch), alternated
   facts
   ckpt_write
-  step tests-kernels 300 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_fp8_kv.py \
-    tests/kernels/test_paged_decode.py
-  step tests-gpu 300 "${PT[@]}" tests/gpu/test_batch_defaults_cuda.py \
-    tests/gpu/test_engine_cuda.py -k "fp8 or batch_defaults"
-  a_fp8kv a-head
-  variant_tree e85_fp8_decode_config_off.patch prev
-  a_fp8kv a-prev
-  install_tree . head
-  a_fp8kv a-head-2
-  install_tree /tmp/prev prev
-  a_fp8kv a-prev-2
-  install_tree . head
-  b_args b-default
-  bench kernels-a 240 decode-kernels-a
+  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_batch_defaults_cuda.py
+  engine_args a a-fp8kv quantization=fp8 kv_cache_dtype=fp8
+  engine_args a a-fp8w quantization=fp8
+  engine_memory memory-head
+  for i in 1 2; do
+    variant_tree e86_before.patch before
+    engine_memory "memory-before-$i"
+    engine_args a "a-fp8kv-256-before-$i" quantization=fp8 kv_cache_dtype=fp8 max_num_seqs=256 \
+      cuda_graph_max_batch=256
+    c_args "c-before-$i"
+    install_tree . head
+    engine_args a "a-fp8kv-256-head-$i" quantization=fp8 kv_cache_dtype=fp8 max_num_seqs=256 \
+      cuda_graph_max_batch=256
+    c_args "c-head-$i"
+  done
 }
 
 case "$1" in

@@ -144,29 +144,10 @@ def _rotate_q(q, qp, cos, sin, first, rot):
 
 
 @triton.jit
-def _write_newest_kv(
-    kx,
-    kp,
-    v,
-    cos,
-    sin,
-    first,
-    rot,
-    slot,
-    writes,
-    g,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    stride_kblk,
-    stride_ktok,
-    stride_khead,
-    offs_d,
-    k_dtype,
-    BLOCK_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
+def _write_newest_kv(kx, kp, v, cos, sin, first, rot, slot, writes, g, k_cache_ptr,
+                     v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_kblk, stride_ktok,
+                     stride_khead, offs_d, k_dtype, BLOCK_SIZE: tl.constexpr,
+                     KV_FP8: tl.constexpr):
     """The newest token's k (``kx``, partner half ``kp``, fp32 ``[D]``) rotated and rounded
     to ``k_dtype``, and its v, quantized for an FP8 cache, stored at ``slot`` where
     ``writes``; returns the two as stored (the cache's dtype)."""
@@ -177,12 +158,8 @@ def _write_newest_kv(
     cache_ty = k_cache_ptr.dtype.element_ty
     k = k.to(cache_ty)
     v = v.to(cache_ty)
-    at = (
-        (slot // BLOCK_SIZE) * stride_kblk
-        + (slot % BLOCK_SIZE) * stride_ktok
-        + g * stride_khead
-        + offs_d
-    )
+    at = ((slot // BLOCK_SIZE) * stride_kblk + (slot % BLOCK_SIZE) * stride_ktok
+          + g * stride_khead + offs_d)
     tl.store(k_cache_ptr + at, k, mask=writes)
     tl.store(v_cache_ptr + at, v, mask=writes)
     return k, v
@@ -287,7 +264,8 @@ def _paged_decode_kernel(
         k_at = k_new_ptr + b * stride_nb + g * stride_nh
         kx = tl.load(k_at + offs_d, mask=live, other=0.0).to(tl.float32)
         kp = tl.load(k_at + partner, mask=live, other=0.0).to(tl.float32)
-        v_new = tl.load(v_new_ptr + b * stride_vnb + g * stride_vnh + offs_d, mask=live, other=0.0)
+        v_new = tl.load(v_new_ptr + b * stride_vnb + g * stride_vnh + offs_d, mask=live,
+                        other=0.0)
         rot = (pos >= 0) & (pos < max_position) & live
         cs_at = cos_sin_ptr + pos * stride_c + offs_d % HALF
         newest = seq_len - 1
@@ -296,29 +274,10 @@ def _paged_decode_kernel(
             cos = tl.load(cs_at, mask=rot, other=0.0).to(tl.float32)
             sin = tl.load(cs_at + HALF, mask=rot, other=0.0).to(tl.float32)
             q = _rotate_q(q, qp, cos, sin, first, rot)
-            _write_newest_kv(
-                kx,
-                kp,
-                v_new,
-                cos,
-                sin,
-                first,
-                rot,
-                slot,
-                writes,
-                g,
-                k_cache_ptr,
-                v_cache_ptr,
-                k_scale_ptr,
-                v_scale_ptr,
-                stride_kblk,
-                stride_ktok,
-                stride_khead,
-                offs_d,
-                k_new_ptr.dtype.element_ty,
-                BLOCK_SIZE,
-                KV_FP8,
-            )
+            _write_newest_kv(kx, kp, v_new, cos, sin, first, rot, slot, writes, g, k_cache_ptr,
+                             v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_kblk, stride_ktok,
+                             stride_khead, offs_d, k_new_ptr.dtype.element_ty, BLOCK_SIZE,
+                             KV_FP8)
             tl.debug_barrier()  # the stores are seen by the program's other threads below
         else:  # the loop stops before the newest token; its term is added from registers
             loop_end = tl.where(writes, newest, end)
@@ -345,7 +304,8 @@ def _paged_decode_kernel(
             at_tok = cs_at + tl.minimum(tok0 - start, 0)
             cos = tl.load(at_tok, mask=rot, other=0.0).to(tl.float32)
             sin = tl.load(at_tok + HALF, mask=rot, other=0.0).to(tl.float32)
-            q_op = _q_operand(_rotate_q(q, qp, cos, sin, first, rot), scale_log2e, KV_FP8, KV_F16)
+            q_op = _q_operand(_rotate_q(q, qp, cos, sin, first, rot), scale_log2e, KV_FP8,
+                              KV_F16)
         if KV_FP8:
             k = k.to(q_op.dtype)
         scores = tl.dot(q_op, tl.trans(k), input_precision=DOT_PREC) * qk_scale
@@ -360,30 +320,12 @@ def _paged_decode_kernel(
         if writes:  # the program whose chunk holds the newest token
             cos = tl.load(cs_at, mask=rot, other=0.0).to(tl.float32)
             sin = tl.load(cs_at + HALF, mask=rot, other=0.0).to(tl.float32)
-            q_op = _q_operand(_rotate_q(q, qp, cos, sin, first, rot), scale_log2e, KV_FP8, KV_F16)
-            k_c, v_c = _write_newest_kv(
-                kx,
-                kp,
-                v_new,
-                cos,
-                sin,
-                first,
-                rot,
-                slot,
-                writes,
-                g,
-                k_cache_ptr,
-                v_cache_ptr,
-                k_scale_ptr,
-                v_scale_ptr,
-                stride_kblk,
-                stride_ktok,
-                stride_khead,
-                offs_d,
-                k_new_ptr.dtype.element_ty,
-                BLOCK_SIZE,
-                KV_FP8,
-            )
+            q_op = _q_operand(_rotate_q(q, qp, cos, sin, first, rot), scale_log2e, KV_FP8,
+                              KV_F16)
+            k_c, v_c = _write_newest_kv(kx, kp, v_new, cos, sin, first, rot, slot, writes, g,
+                                        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                        stride_kblk, stride_ktok, stride_khead, offs_d,
+                                        k_new_ptr.dtype.element_ty, BLOCK_SIZE, KV_FP8)
             # its term, as the loop would have added it: the cached values in the
             # operands' dtype, products in fp32, p rounded to v's dtype
             kq = k_c.to(q_op.dtype).to(tl.float32)
@@ -535,18 +477,8 @@ def paged_decode_attention(
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     if rope is not None:
-        rope_kv_cache.check_rope_write(
-            rope.positions,
-            q,
-            rope.k,
-            rope.v,
-            rope.cos_sin_cache,
-            k_cache,
-            v_cache,
-            rope.slot_mapping,
-            k_scale,
-            v_scale,
-        )
+        rope_kv_cache.check_rope_write(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache,
+                                       k_cache, v_cache, rope.slot_mapping, k_scale, v_scale)
         rotary.check_kernel_layout(q=q, k=rope.k, v=rope.v, cos_sin_cache=rope.cos_sin_cache)
     kv_fp8 = is_fp8(k_cache.dtype)
     batch, num_heads, head_dim = q.shape
@@ -590,12 +522,8 @@ def paged_decode_attention(
         small = USE_ROPE_IN_LOOP and programs <= num_sms(q.device)
         rope_mode = ROPE_IN_LOOP if small else ROPE_BEFORE_LOOP
         rope_ptrs = (rope.positions, rope.k, rope.v, rope.cos_sin_cache, rope.slot_mapping)
-        rope_sizes = (
-            *rope.k.stride()[:2],
-            *rope.v.stride()[:2],
-            rope.cos_sin_cache.stride(0),
-            rope.cos_sin_cache.shape[0],
-        )
+        rope_sizes = (*rope.k.stride()[:2], *rope.v.stride()[:2],
+                      rope.cos_sin_cache.stride(0), rope.cos_sin_cache.shape[0])
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,

@@ -103,3 +103,15 @@ def test_argmax_steps_make_no_sampling_parameter_tensors(
     assert made == []  # two dtype conversions (kernels on a GPU) a step fewer
     _prefill(worker, [SamplingParams(temperature=0.8, seed=1), greedy, greedy])
     assert made == [1]
+
+
+def test_logits_written_into_a_shared_buffer_are_the_logits(worker: Worker) -> None:
+    # a decode graph's path (``DecodeGraphs`` gives every size the first rows of one
+    # buffer): the head's product written into ``out`` is the product it returns
+    hidden = torch.randn(5, worker.config.model.hidden_size, dtype=torch.bfloat16)
+    want = worker.model.compute_logits(hidden)
+    buf = torch.full((8, want.shape[1]), float("nan"), dtype=want.dtype)
+    got = worker.model.compute_logits(hidden[:3], buf[:3])
+    assert got.data_ptr() == buf.data_ptr() and got.shape == (3, want.shape[1])
+    torch.testing.assert_close(buf[:3], want[:3], rtol=0, atol=0)
+    assert buf[3:].isnan().all()  # rows past the graph's size untouched

@@ -203,11 +203,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [N, H]`` -> logits ``[N, vocab]`` in the model's dtype (the sampler
         upcasts them to fp32 when it needs more than their argmax: ``SamplingPlan.
-        argmax_only``; a bf16 copy to fp32 was ~24 us of a 64-row decode step, r71)."""
-        return self.lm_head.compute_logits(hidden)
+        argmax_only``; a bf16 copy to fp32 was ~24 us of a 64-row decode step, r71), in
+        ``out`` where given (``ParallelLMHead.compute_logits``)."""
+        return self.lm_head.compute_logits(hidden, out)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -115,9 +115,14 @@ def test_cuda_graphs_match_eager(checkpoint_factory: Callable[..., Path]) -> Non
     path = checkpoint_factory("gpu-llama", arch="llama", seed=4)
     eager = _tokens(path, "triton", "float32", enforce_eager=True, **STRESS)
     graphs, llm = _run(path, "triton", "float32", cuda_graph_max_batch=16, **STRESS)
-    assert llm.engine.worker.graphs is not None
-    assert llm.engine.worker.graphs.batch_sizes == [1, 2, 4, 8, 16]
+    dg = llm.engine.worker.graphs
+    assert dg is not None
+    assert dg.batch_sizes == [1, 2, 4, 8, 16]
     assert graphs == eager
+    # every graph's logits are the first rows of one buffer, not a buffer per graph
+    assert dg.logits_buf is not None and dg.logits_buf.shape[0] == 16
+    for bs, logits in dg.logits.items():
+        assert logits.data_ptr() == dg.logits_buf.data_ptr() and logits.shape[0] == bs
 
 
 def test_torch_compile_with_cuda_graphs_matches_eager(
