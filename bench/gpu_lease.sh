@@ -152,20 +152,6 @@ b_seqs() {  # b_seqs MAX_NUM_SEQS NAME: workload B, an engine of its own, in $RE
   b_args "$2" "max_num_seqs=$1"
 }
 
-# Builds a variant of this tree from a patch (bench/patches) for a plan to measure.
-variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
-  # bench/patches/PATCH applied, installed in place of the current (install_tree . head undoes it)
-  rm -rf "/tmp/$2" && mkdir -p "/tmp/$2"
-  tar -c --exclude=./.git --exclude=./.whl --exclude=./.venv --exclude=./bench/results . |
-    tar -x -C "/tmp/$2"
-  (cd "/tmp/$2" && patch -p1 < "bench/patches/$1") > "$RES/patch-$2.log" 2>&1
-  install_tree "/tmp/$2" "$2"
-}
-
-# Plans already run are removed once their results are committed: each results README
-# names its plan (plan_rNN) and the commit it ran at, and
-# `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
-
 engine_memory() {  # engine_memory NAME: a bf16 engine at the defaults; its GPU memory after
   # start-up (the decode graphs' included) and the KV pool's blocks, as JSON
   step "$1" 120 python3 -c "
@@ -179,28 +165,19 @@ print(json.dumps({'kv_blocks': w.num_kv_blocks, 'graphs': w.graphs.batch_sizes[-
                   'free_gib': torch.cuda.mem_get_info()[0] / 2**30}))"
 }
 
-plan_r95() {  # e86 (one H100, ~9 minutes): the decode graphs' shared logits and e85's
-  # FP8-cache config. GPU tests; FP8 A at the defaults (r94: out of memory); the memory an
-  # engine holds; then at 256 sequences (which the code before runs) A with FP8 weights +
-  # KV and C, HEAD against the code before (bench/patches/e86_before.patch), alternated
-  facts
-  ckpt_write
-  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_batch_defaults_cuda.py
-  engine_args a a-fp8kv quantization=fp8 kv_cache_dtype=fp8
-  engine_args a a-fp8w quantization=fp8
-  engine_memory memory-head
-  for i in 1 2; do
-    variant_tree e86_before.patch before
-    engine_memory "memory-before-$i"
-    engine_args a "a-fp8kv-256-before-$i" quantization=fp8 kv_cache_dtype=fp8 max_num_seqs=256 \
-      cuda_graph_max_batch=256
-    c_args "c-before-$i"
-    install_tree . head
-    engine_args a "a-fp8kv-256-head-$i" quantization=fp8 kv_cache_dtype=fp8 max_num_seqs=256 \
-      cuda_graph_max_batch=256
-    c_args "c-head-$i"
-  done
+# Builds a variant of this tree from a patch (bench/patches) for a plan to measure.
+variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
+  # bench/patches/PATCH applied, installed in place of the current (install_tree . head undoes it)
+  rm -rf "/tmp/$2" && mkdir -p "/tmp/$2"
+  tar -c --exclude=./.git --exclude=./.whl --exclude=./.venv --exclude=./bench/results . |
+    tar -x -C "/tmp/$2"
+  (cd "/tmp/$2" && patch -p1 < "bench/patches/$1") > "$RES/patch-$2.log" 2>&1
+  install_tree "/tmp/$2" "$2"
 }
+
+# Plans already run are removed once their results are committed: each results README
+# names its plan (plan_rNN) and the commit it ran at, and
+# `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
 case "$1" in
   start)
