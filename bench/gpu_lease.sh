@@ -179,6 +179,20 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
+plan_r96() {  # e88 (one H100, ~22 minutes): every GPU test at the new defaults (1,024
+  # sequences, decode graphs to 1,024 rows, one shared logits buffer), then issue 23's
+  # comparisons in one lease at them: bf16 C/A/B beside FP8 (C, A, D c=64), int4 C,
+  # speculation, D at c=1-256
+  facts
+  ckpt_write
+  step tests-gpu 480 "${PT[@]}" tests/gpu --ignore=tests/gpu/test_tensor_parallel_cuda.py
+  bench base 300 ceilings,ours
+  bench fp8 420 fp8
+  bench int4 300 int4
+  bench serve 360 serve --concurrency 1,16,64,256
+  bench spec 540 spec
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
