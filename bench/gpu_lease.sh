@@ -152,19 +152,6 @@ b_seqs() {  # b_seqs MAX_NUM_SEQS NAME: workload B, an engine of its own, in $RE
   b_args "$2" "max_num_seqs=$1"
 }
 
-engine_memory() {  # engine_memory NAME: a bf16 engine at the defaults; its GPU memory after
-  # start-up (the decode graphs' included) and the KV pool's blocks, as JSON
-  step "$1" 120 python3 -c "
-import json, torch
-from kvscale.server import LLM
-llm = LLM('$CKPT')
-w = llm.engine.worker
-print(json.dumps({'kv_blocks': w.num_kv_blocks, 'graphs': w.graphs.batch_sizes[-1],
-                  'allocated_gib': torch.cuda.memory_allocated() / 2**30,
-                  'reserved_gib': torch.cuda.memory_reserved() / 2**30,
-                  'free_gib': torch.cuda.mem_get_info()[0] / 2**30}))"
-}
-
 # Builds a variant of this tree from a patch (bench/patches) for a plan to measure.
 variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME with
   # bench/patches/PATCH applied, installed in place of the current (install_tree . head undoes it)

@@ -185,7 +185,7 @@ class EngineConfig:
     cuda_graph_max_batch: int | None = setting(
         None,
         "largest decode batch captured as a CUDA graph; 0 = none (default: 1024 where "
-        "--max-num-seqs defaults to 1024, else 256)",
+        "--max-num-seqs defaults to 1024, else 256; at most --max-num-seqs)",
         min=0,
     )
     cuda_graph_mode: str = setting(

@@ -66,9 +66,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         ``out`` (``[N, vocab]``, contiguous) where given: a CUDA graph's static buffer,
         which graphs of several sizes share (their logits are the step's largest buffer:
         1,024 rows x 128,256 tokens in bf16 are 263 MB)."""
-        if out is not None and self.parallel.world_size == 1:
-            if self.weight.shape[0] == self.num_embeddings:  # the GEMM writes into it
-                return torch.mm(hidden.reshape(-1, hidden.shape[-1]), self.weight.t(), out=out)
+        if out is not None and self.parallel.world_size == 1:  # no padding: the GEMM writes
+            return torch.mm(hidden.reshape(-1, hidden.shape[-1]), self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight)
         if self.parallel.world_size == 1:
             logits = logits[..., : self.num_embeddings]

@@ -65,7 +65,7 @@ def h100(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     return asked
 
 
-def test_a_large_gpu_gets_vllms_pair(h100: list[tuple[str, int]]) -> None:
+def test_a_large_gpu_gets_the_large_batch(h100: list[tuple[str, int]]) -> None:
     cfg = EngineConfig(device="cuda", tensor_parallel_size=2)
     assert (cfg.max_num_seqs, cfg.cuda_graph_max_batch) == LARGE_GPU_BATCH
     assert cfg.max_num_batched_tokens == 8192
