@@ -166,18 +166,18 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r96() {  # e88 (one H100, ~22 minutes): every GPU test at the new defaults (1,024
-  # sequences, decode graphs to 1,024 rows, one shared logits buffer), then issue 23's
-  # comparisons in one lease at them: bf16 C/A/B beside FP8 (C, A, D c=64), int4 C,
-  # speculation, D at c=1-256
+plan_r97() {  # e89 (one H100, ~9 minutes): r96's FP8-weights ratio and the draft sidecar's
+  # batch-1 time repeated for their spread: A bf16 / FP8 weights alternated twice (an engine
+  # a process), the spec phase again, B twice
   facts
   ckpt_write
-  step tests-gpu 480 "${PT[@]}" tests/gpu --ignore=tests/gpu/test_tensor_parallel_cuda.py
-  bench base 300 ceilings,ours
-  bench fp8 420 fp8
-  bench int4 300 int4
-  bench serve 360 serve --concurrency 1,16,64,256
-  bench spec 540 spec
+  engine_args a a-bf16
+  engine_args a a-fp8 quantization=fp8
+  engine_args a a-bf16-2
+  engine_args a a-fp8-2 quantization=fp8
+  bench spec 300 spec
+  b_args b-1
+  b_args b-2
 }
 
 case "$1" in
