@@ -168,7 +168,7 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 
 plan_r97() {  # e89 (one H100, ~9 minutes): r96's FP8-weights ratio and the draft sidecar's
   # batch-1 time repeated for their spread: A bf16 / FP8 weights alternated twice (an engine
-  # a process), the spec phase again, B twice
+  # a process), the spec phase again, B twice; tune_kernels' shared sweep loop, run once
   facts
   ckpt_write
   engine_args a a-bf16
@@ -178,6 +178,7 @@ plan_r97() {  # e89 (one H100, ~9 minutes): r96's FP8-weights ratio and the draf
   bench spec 300 spec
   b_args b-1
   b_args b-2
+  step tune 150 python3 bench/tune_kernels.py --only batch,short
 }
 
 case "$1" in
