@@ -166,9 +166,9 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r97() {  # e89 (one H100, ~9 minutes): r96's FP8-weights ratio and the draft sidecar's
+plan_r97() {  # e89 (one H100, ~7 minutes): r96's FP8-weights ratio and the draft sidecar's
   # batch-1 time repeated for their spread: A bf16 / FP8 weights alternated twice (an engine
-  # a process), the spec phase again, B twice; tune_kernels' shared sweep loop, run once
+  # a process), the spec phase again; tune_kernels' shared sweep loop, run once
   facts
   ckpt_write
   engine_args a a-bf16
@@ -176,9 +176,7 @@ plan_r97() {  # e89 (one H100, ~9 minutes): r96's FP8-weights ratio and the draf
   engine_args a a-bf16-2
   engine_args a a-fp8-2 quantization=fp8
   bench spec 300 spec
-  b_args b-1
-  b_args b-2
-  step tune 150 python3 bench/tune_kernels.py --only batch,short
+  step tune 150 python3 bench/tune_kernels.py --only batch
 }
 
 case "$1" in
