@@ -166,19 +166,6 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r97() {  # e89 (one GPU, ~7 minutes): the draft sidecar's batch-1 time and r96's
-  # FP8-weights ratio repeated for their spread (the spec phase again; A bf16 / FP8 weights
-  # alternated twice, an engine a process); tune_kernels' shared sweep loop, run once
-  facts
-  ckpt_write
-  bench spec 300 spec
-  step tune 150 python3 bench/tune_kernels.py --only batch
-  engine_args a a-bf16
-  engine_args a a-fp8 quantization=fp8
-  engine_args a a-bf16-2
-  engine_args a a-fp8-2 quantization=fp8
-}
-
 case "$1" in
   start)
     rm -f "$RES/finished"
