@@ -8,6 +8,7 @@ from kvscale.server.errors import InvalidRequestError
 from kvscale.server.structured.params import StructuredOutputsParams
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value (both signs)
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs; also logprobs and prompt_logprobs
 
 
 @dataclass
@@ -93,15 +94,15 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids or ()):
             raise bad("stop_token_ids", "a list of non-negative integers")
         if self.logprobs is not None and (
-            not is_int(self.logprobs) or not 0 <= self.logprobs <= 20
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise bad("logprobs", "an integer in [0, 20] or None")
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "true or false")
         if self.prompt_logprobs is not None and (
-            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
-            raise bad("prompt_logprobs", "an integer in [0, 20] or None")
+            raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

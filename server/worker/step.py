@@ -129,9 +129,14 @@ def resolve_placeholders(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.
     return torch.where(ids < 0, last_tokens[rows], ids)
 
 
+# A sampling row's parameters as the ``sampling`` array holds them (see the module's
+# docstring): every transform on, so the profile takes the sampler's costliest path.
+COSTLIEST_SAMPLING = (0.7, 50, 0.9, 0.05, 0, 1.1, 0.1, 0.1)
+
+
 def profile_step(num_tokens: int, block_size: int) -> StepInput:
     """A prefill of ``num_tokens`` tokens of one sequence over blocks 0.., sampling one
-    row greedily: the largest step, run once to measure peak activation memory."""
+    row greedily: the largest forward pass (activation memory), or a calibration pass."""
     n_blocks = -(-num_tokens // block_size)
     pos = np.arange(num_tokens, dtype=np.int64)
     arrays = {
@@ -146,3 +151,28 @@ def profile_step(num_tokens: int, block_size: int) -> StepInput:
     }
     plan = SamplingPlan([None], [None], all_greedy=True)
     return StepInput(arrays, 1, num_tokens, num_tokens, sampling=plan)
+
+
+def sampler_profile_step(
+    num_tokens: int, block_size: int, rows: int, vocab_size: int, logprobs: int
+) -> StepInput:
+    """``profile_step`` whose last ``rows`` tokens (at most ``num_tokens``) each sample
+    with every transform (temperature, top-k, top-p, min-p, all three penalties) and
+    ``logprobs`` top logprobs: the most memory a step's sampling takes (``[rows, V]``
+    fp32 logits, their copy for logprobs, the penalties' mask and counts, two sorts).
+    The penalties see no prompt or output token (``prompt_ids``/``output_ids`` hold only
+    the padding id ``vocab_size``)."""
+    step = profile_step(num_tokens, block_size)
+    rows = max(1, min(rows, num_tokens))
+    step.arrays["logits_idx"] = np.arange(num_tokens - rows, num_tokens, dtype=np.int64)
+    step.arrays["sampling"] = np.tile(np.array(COSTLIEST_SAMPLING, dtype=np.float32), (rows, 1))
+    pad = np.full((rows, 1), vocab_size, dtype=np.int64)
+    step.arrays["prompt_ids"], step.arrays["output_ids"] = pad, pad.copy()
+    step.sampling = SamplingPlan(
+        [None] * rows,
+        [logprobs] * rows,
+        do_top_k=True,
+        do_top_p_min_p=True,
+        do_penalties=True,
+    )
+    return step

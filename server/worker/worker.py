@@ -45,6 +45,7 @@ from kvscale.server.layers.sampler import (
 from kvscale.server.models.loader import load_model
 from kvscale.server.parallel import SINGLE, ParallelState
 from kvscale.server.quantization import get_quantization
+from kvscale.server.sampling_params import MAX_LOGPROBS
 from kvscale.server.spec_decode.rejection_sampler import (
     RejectionOutput,
     greedy_verify,
@@ -61,7 +62,13 @@ from kvscale.server.worker.host_to_device import to_device
 from kvscale.server.worker.kv_calibration import KVScaleCalibration
 from kvscale.server.worker.kv_pool import KVPool
 from kvscale.server.worker.piecewise_graphs import PiecewiseGraphs
-from kvscale.server.worker.step import SamplingPlan, StepInput, profile_step, resolve_placeholders
+from kvscale.server.worker.step import (
+    SamplingPlan,
+    StepInput,
+    profile_step,
+    resolve_placeholders,
+    sampler_profile_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -344,19 +351,12 @@ class Worker:
     def _auto_num_blocks(self, max_tokens: int, utilization: float) -> int:
         if self.device.type != "cuda":
             return max(1, CPU_KV_CACHE_BYTES // self.bytes_per_block)
-        # Profile a full-size prefill to learn peak activation memory, then give the
-        # rest of utilization * total memory to the KV pool.
+        # Profile the largest step to learn peak activation and sampling memory, then give
+        # the rest of utilization * total memory to the KV pool.
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        step = profile_step(max_tokens, self.block_size)
-        self.kv_pool.allocate(-(-max_tokens // self.block_size))
-        self.kv_pool.bind(self.attn_layers)
-        with torch.inference_mode():
-            self._forward_eager(step, to_device(step.arrays, self.device))
-        torch.cuda.synchronize(self.device)
+        self.profile_memory(max_tokens)
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_pool.allocate(0)
-        self.kv_pool.bind(self.attn_layers)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)
@@ -371,6 +371,34 @@ class Worker:
             )
         log.info("KV cache: %d blocks (%.1f GiB)", blocks, blocks * self.bytes_per_block / 2**30)
         return int(blocks)
+
+    def profile_memory(self, max_tokens: int) -> torch.Tensor:
+        """Runs the step whose peak memory the KV pool must leave room for, on a pool of
+        its own size (freed after): a prefill of ``max_tokens`` tokens whose last rows
+        sample as many rows as one step can (every sequence, with its verify rows under
+        speculation) on the sampler's costliest path (``sampler_profile_step``), as vLLM's
+        profile runs its sampler. Without it, sampling 1,024 rows of a 128k vocabulary
+        with every transform (~4.7 GiB beyond the logits, counted on the CPU, NOTES e90)
+        came out of the memory left outside ``gpu_memory_utilization``. Returns the
+        sampled tokens ``[rows]``."""
+        eng = self.config.engine
+        per_seq = 1 + (eng.num_speculative_tokens if eng.speculative_method else 0)
+        step = sampler_profile_step(
+            max_tokens, self.block_size, eng.max_num_seqs * per_seq, self.vocab_size, MAX_LOGPROBS
+        )
+        self.kv_pool.allocate(-(-max_tokens // self.block_size))
+        self.kv_pool.bind(self.attn_layers)
+        rng = self.generator.get_state()  # the profile's draws leave the seeded stream as it was
+        with torch.inference_mode():
+            dev = to_device(step.arrays, self.device)
+            self.sample(Forwarded(step, self._forward_eager(step, dev), dev))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.generator.set_state(rng)
+        tokens = self.last_tokens[: step.sampling.num_rows].clone()
+        self.kv_pool.allocate(0)
+        self.kv_pool.bind(self.attn_layers)
+        return tokens
 
     def _init_kv_scales(self) -> None:
         """An FP8 cache's scales: the checkpoint's, else calibrated on a fixed prompt."""
