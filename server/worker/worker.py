@@ -365,9 +365,9 @@ class Worker:
         if blocks < 1:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: {total * utilization / 2**30:.1f} GiB "
-                f"allowed (gpu_memory_utilization={utilization}), model and activations take "
-                f"{peak / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "
-                "max_num_batched_tokens"
+                f"allowed (gpu_memory_utilization={utilization}), the model, the largest "
+                f"step's activations and a full batch's sampling take {peak / 2**30:.1f} GiB; "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens or max_num_seqs"
             )
         log.info("KV cache: %d blocks (%.1f GiB)", blocks, blocks * self.bytes_per_block / 2**30)
         return int(blocks)
