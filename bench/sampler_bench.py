@@ -1,0 +1,144 @@
+"""The sampler's time and memory per step at large batches, by sampling settings.
+
+Every engine benchmark samples greedily (A, B, C and D send temperature 0), so what a step
+pays to sample with temperature, top-k or top-p has never been timed. Per row count and
+setting: the sampling math as ``Worker._sample`` runs it on one step's logits (``[rows,
+V]`` in the model's dtype): the upcast to fp32, the copy kept for logprobs, the penalties'
+mask and counts, ``sampler.sample`` and ``top_logprobs``; its median time per call from
+CUDA events, and its peak memory beyond the logits (``max_memory_allocated``, on CUDA).
+
+Settings: ``argmax`` (a greedy step: the argmax of the model-dtype logits), ``temperature``
+(0.8), ``top_p`` (0.9, temperature 0.8), ``top_k_top_p`` (50 and 0.9), ``every`` (top-k,
+top-p, min-p, the three penalties and 20 logprobs: what the KV pool's profile runs, NOTES
+e90).
+
+    python bench/sampler_bench.py [--out-dir DIR] [--rows 1,64,256,1024] [--vocab 128256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvscale.server.layers import ops
+from kvscale.server.layers.sampler import SamplingTensors, sample, top_logprobs
+from kvscale.server.sampling_params import MAX_LOGPROBS
+
+SETTINGS = {  # name -> (temperature, top_k, top_p, min_p, penalties, logprobs)
+    "argmax": None,
+    "temperature": (0.8, 0, 1.0, 0.0, False, 0),
+    "top_p": (0.8, 0, 0.9, 0.0, False, 0),
+    "top_k_top_p": (0.8, 50, 0.9, 0.0, False, 0),
+    "every": (0.8, 50, 0.9, 0.05, True, MAX_LOGPROBS),
+}
+
+
+def sampling_step(
+    logits: torch.Tensor, setting: tuple | None, gen: torch.Generator
+) -> torch.Tensor:
+    """One step's sampling of ``logits [R, V]`` (the model's dtype) under ``setting``;
+    returns the tokens ``[R]``."""
+    if setting is None:
+        return ops.argmax(logits)
+    temperature, top_k, top_p, min_p, penalties, logprobs = setting
+    rows, vocab = logits.shape
+    dev = logits.device
+
+    def full(v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((rows,), v, dtype=dtype, device=dev)
+
+    t = SamplingTensors(
+        temperature=full(temperature),
+        top_k=full(top_k, torch.int64),
+        top_p=full(top_p),
+        min_p=full(min_p),
+        greedy=full(0, torch.bool),
+        repetition_penalty=full(1.1),
+        presence_penalty=full(0.1),
+        frequency_penalty=full(0.1),
+        do_top_k=top_k > 0,
+        do_top_p_min_p=top_p < 1 or min_p > 0,
+        do_penalties=penalties,
+    )
+    lg = logits.float()
+    raw = lg.clone() if logprobs else None
+    mask = counts = None
+    if penalties:  # as Worker._penalty_inputs: one scatter each, 64 prompt / 32 output ids
+        ids = torch.randint(0, vocab, (rows, 96), device=dev, generator=gen)
+        mask = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        mask.scatter_(1, ids[:, :64], True)
+        counts = torch.zeros(rows, vocab, dtype=torch.int32, device=dev)
+        counts.scatter_add_(1, ids[:, 64:], torch.ones_like(ids[:, 64:], dtype=torch.int32))
+    tokens = sample(lg, t, [None] * rows, gen, mask, counts)
+    if raw is not None:
+        top_logprobs(raw, tokens, logprobs)
+    return tokens
+
+
+def measure(rows: int, vocab: int, setting: tuple | None, device: torch.device, reps: int) -> dict:
+    """Median ms per step over ``reps`` calls after two warm-ups, and (CUDA) the peak
+    memory beyond the logits in GiB."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=device, generator=gen).to(torch.bfloat16)
+    cuda = device.type == "cuda"
+    for _ in range(2):
+        sampling_step(logits, setting, gen)
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            sampling_step(logits, setting, gen)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            sampling_step(logits, setting, gen)
+            times.append((time.perf_counter() - t0) * 1e3)
+    out: dict[str, Any] = {"ms": statistics.median(times), "ms_min": min(times)}
+    if cuda:
+        out["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=Path("."))
+    ap.add_argument("--rows", default="1,64,256,1024")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    ops.use_kernels(device.type == "cuda")  # the engine's argmax kernel on CUDA
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "vocab": args.vocab,
+        "results": [],
+    }
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name in args.settings.split(","):
+            r = measure(rows, args.vocab, SETTINGS[name], device, args.reps)
+            res["results"].append({"rows": rows, "setting": name, **r})
+            peak = f"  peak {r['peak_gib']:.2f} GiB" if "peak_gib" in r else ""
+            print(f"{rows:5d} rows  {name:12s} {r['ms']:8.3f} ms{peak}", flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "sampler_bench.json").write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
