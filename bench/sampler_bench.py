@@ -8,9 +8,11 @@ mask and counts, ``sampler.sample`` and ``top_logprobs``; its median time per ca
 CUDA events, and its peak memory beyond the logits (``max_memory_allocated``, on CUDA).
 
 Settings: ``argmax`` (a greedy step: the argmax of the model-dtype logits), ``temperature``
-(0.8), ``top_p`` (0.9, temperature 0.8), ``top_k_top_p`` (50 and 0.9), ``every`` (top-k,
-top-p, min-p, the three penalties and 20 logprobs: what the KV pool's profile runs, NOTES
-e90).
+(0.8), ``top_p`` (0.9, temperature 0.8), ``top_k_top_p`` (50 and 0.9; the k-th logit by
+``topk``, as the engine finds it when it knows the batch's largest k) and
+``top_k_top_p_sort`` (the same through a sort of every row, the engine's way before),
+``every`` (top-k by a sort, top-p, min-p, the three penalties and 20 logprobs: what the KV
+pool's profile runs, NOTES e90).
 
     python bench/sampler_bench.py [--out-dir DIR] [--rows 1,64,256,1024] [--vocab 128256]
 """
@@ -30,12 +32,13 @@ from kvscale.server.layers import ops
 from kvscale.server.layers.sampler import SamplingTensors, sample, top_logprobs
 from kvscale.server.sampling_params import MAX_LOGPROBS
 
-SETTINGS = {  # name -> (temperature, top_k, top_p, min_p, penalties, logprobs)
+SETTINGS = {  # name -> (temperature, top_k, top_p, min_p, penalties, logprobs, top_k_max)
     "argmax": None,
-    "temperature": (0.8, 0, 1.0, 0.0, False, 0),
-    "top_p": (0.8, 0, 0.9, 0.0, False, 0),
-    "top_k_top_p": (0.8, 50, 0.9, 0.0, False, 0),
-    "every": (0.8, 50, 0.9, 0.05, True, MAX_LOGPROBS),
+    "temperature": (0.8, 0, 1.0, 0.0, False, 0, 0),
+    "top_p": (0.8, 0, 0.9, 0.0, False, 0, 0),
+    "top_k_top_p": (0.8, 50, 0.9, 0.0, False, 0, 50),
+    "top_k_top_p_sort": (0.8, 50, 0.9, 0.0, False, 0, 0),
+    "every": (0.8, 50, 0.9, 0.05, True, MAX_LOGPROBS, 0),
 }
 
 
@@ -46,7 +49,7 @@ def sampling_step(
     returns the tokens ``[R]``."""
     if setting is None:
         return ops.argmax(logits)
-    temperature, top_k, top_p, min_p, penalties, logprobs = setting
+    temperature, top_k, top_p, min_p, penalties, logprobs, top_k_max = setting
     rows, vocab = logits.shape
     dev = logits.device
 
@@ -65,6 +68,7 @@ def sampling_step(
         do_top_k=top_k > 0,
         do_top_p_min_p=top_p < 1 or min_p > 0,
         do_penalties=penalties,
+        top_k_max=top_k_max,
     )
     lg = logits.float()
     raw = lg.clone() if logprobs else None

@@ -22,6 +22,10 @@ def test_each_setting_samples_what_it_names() -> None:
     for _ in range(20):
         tokens = sb.sampling_step(logits, sb.SETTINGS["top_k_top_p"], gen)
         assert (top50 == tokens[:, None]).any(dim=-1).all()
+    # the k-th logit by partial selection or by a sort: the same tokens for the same noise
+    by_select = sb.sampling_step(logits, sb.SETTINGS["top_k_top_p"], torch.manual_seed(5))
+    by_sort = sb.sampling_step(logits, sb.SETTINGS["top_k_top_p_sort"], torch.manual_seed(5))
+    assert torch.equal(by_select, by_sort)
     every = sb.sampling_step(logits, sb.SETTINGS["every"], gen)  # penalties may reorder
     assert every.shape == (6,) and ((every >= 0) & (every < 500)).all()
     # temperature alone reaches beyond the top 50 of a flat enough row

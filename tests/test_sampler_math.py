@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kvscale.server.layers.sampler import (
@@ -108,3 +109,21 @@ def test_top_logprobs_ranks() -> None:
     norm = math.log(sum(math.exp(x) for x in (1.0, 3.0, 2.0, 0.0)))
     assert abs(s_lp.item() - (2.0 - norm)) < 1e-6
     assert abs(lps[0, 0].item() - (3.0 - norm)) < 1e-6
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_top_k_by_partial_selection_masks_as_the_full_sort(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    # bf16-rounded logits: many exact ties, some at the k-th value
+    logits = (torch.randn(7, vocab, generator=gen) * 2).to(torch.bfloat16).float()
+    logits[6] = 1.0  # a row of nothing but ties
+    top_k = torch.tensor([1, 5, 50, 0, 40, 50, 3])  # 0: off
+    top_p = torch.tensor([1.0, 0.9, 0.8, 0.95, 1.0, 0.5, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0, 0.0])
+    top_k_max = 50  # the host's bound: the largest k of the rows that set one
+    want = apply_top_k_top_p_min_p(logits.clone(), top_k, top_p, min_p)  # full sort
+    got = apply_top_k_top_p_min_p(logits.clone(), top_k, top_p, min_p, top_k_max)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), (got.isinf() != want.isinf()).any(-1)
+    kept = torch.isfinite(got).sum(dim=-1)
+    assert kept[0] >= 1 and kept[6] == vocab  # ties with the k-th are kept
+    assert kept[3] > 50  # the row without top-k is not cut to the bound

@@ -102,3 +102,19 @@ def test_placeholders_resolve_from_the_last_step() -> None:
         [99, 99],
         [3, 99],
     ]
+
+
+def test_the_plan_bounds_the_batchs_top_k() -> None:
+    from kvscale.server.engine.step_inputs import sampling_inputs
+
+    def plan(top_ks: list[int]):
+        seqs = [
+            Sequence(i, f"r{i}", 0, [1, 2], SamplingParams(temperature=0.7, top_k=k))
+            for i, k in enumerate(top_ks)
+        ]
+        return sampling_inputs(seqs, {}, 100, {})
+
+    p = plan([0, 20, 5])
+    assert p.do_top_k and p.top_k_max == 20  # rows without top-k do not count
+    p = plan([0, 0])
+    assert not p.do_top_k and p.top_k_max == 0

@@ -312,6 +312,7 @@ def sampling_inputs(
         logprobs=[p.logprobs for p in ps],
         all_greedy=all(p.greedy for p in ps),
         do_top_k=any(p.top_k > 0 for p in ps),
+        top_k_max=max((p.top_k for p in ps if p.top_k > 0), default=0),
         do_top_p_min_p=any(p.top_p < 1 or p.min_p > 0 for p in ps),
         do_penalties=do_pen,
         ban=bool(ban_rows),

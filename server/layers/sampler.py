@@ -32,6 +32,7 @@ class SamplingTensors:
     do_top_p_min_p: bool
     do_penalties: bool
     all_greedy: bool = False  # decided on the host: no device sync to find out
+    top_k_max: int = 0  # the largest top_k of the rows that set one (host-known); 0: unknown
 
 
 def apply_penalties(
@@ -86,19 +87,34 @@ def apply_token_bitmask(
     return logits.index_copy_(0, rows, sub)
 
 
+# Largest top-k (over a batch's rows) found by partial selection (``torch.topk``) rather
+# than a sort of the whole vocabulary; clients ask for tens (OpenAI-style top_k 20-100).
+TOPK_SELECT_MAX = 4096
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
+    top_k_max: int = 0,
 ) -> torch.Tensor:
     """Masks (with -inf) tokens outside top-k, outside the top-p nucleus, or under
     ``min_p * max_prob``. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 disable per row.
-    The most likely token is always kept."""
+    The most likely token is always kept; top-k keeps every token tied with the k-th.
+
+    ``top_k_max``: no row's top_k exceeds it (0: not known). Up to ``TOPK_SELECT_MAX`` the
+    k-th largest logit comes from ``topk(top_k_max)`` instead of a full sort: the same
+    value, so the same mask, without sorting every row's vocabulary."""
     vocab = logits.shape[-1]
     if top_k is not None:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        if 0 < top_k_max <= TOPK_SELECT_MAX and top_k_max < vocab:
+            top = logits.topk(top_k_max, dim=-1).values  # [N, top_k_max], descending
+            kth = top.gather(1, (k.clamp(max=top_k_max) - 1).unsqueeze(1))
+            kth = torch.where((top_k > 0).unsqueeze(1), kth, float("-inf"))  # rows without
+        else:
+            kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
         logits.masked_fill_(logits < kth, float("-inf"))
     if top_p is not None or min_p is not None:
         probs = torch.softmax(logits, dim=-1)
@@ -161,6 +177,7 @@ def target_distribution(
         t.top_k if t.do_top_k else None,
         t.top_p if t.do_top_p_min_p else None,
         t.min_p if t.do_top_p_min_p else None,
+        t.top_k_max,
     )
     return torch.softmax(logits, dim=-1), greedy_tokens
 

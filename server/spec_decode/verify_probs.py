@@ -35,6 +35,7 @@ def expand_rows(t: SamplingTensors, repeats: int) -> SamplingTensors:
         do_top_p_min_p=t.do_top_p_min_p,
         do_penalties=t.do_penalties,
         all_greedy=t.all_greedy,
+        top_k_max=t.top_k_max,
     )
 
 

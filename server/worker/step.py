@@ -49,6 +49,7 @@ class SamplingPlan:
     logprobs: list[int | None]  # top-k logprobs wanted, None: none
     all_greedy: bool = False
     do_top_k: bool = False
+    top_k_max: int = 0  # the largest top_k among rows that set one (0: none)
     do_top_p_min_p: bool = False
     do_penalties: bool = False
     ban: bool = False
@@ -168,7 +169,7 @@ def sampler_profile_step(
     step.arrays["sampling"] = np.tile(np.array(COSTLIEST_SAMPLING, dtype=np.float32), (rows, 1))
     pad = np.full((rows, 1), vocab_size, dtype=np.int64)
     step.arrays["prompt_ids"], step.arrays["output_ids"] = pad, pad.copy()
-    step.sampling = SamplingPlan(
+    step.sampling = SamplingPlan(  # top_k_max unset: top-k sorts whole rows, its costliest way
         [None] * rows,
         [logprobs] * rows,
         do_top_k=True,

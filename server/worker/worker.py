@@ -165,6 +165,7 @@ def _sampling_tensors(cols: torch.Tensor, plan: SamplingPlan) -> SamplingTensors
         presence_penalty=cols[:, 6],
         frequency_penalty=cols[:, 7],
         do_top_k=plan.do_top_k,
+        top_k_max=plan.top_k_max,
         do_top_p_min_p=plan.do_top_p_min_p,
         do_penalties=plan.do_penalties,
         all_greedy=plan.all_greedy,
