@@ -304,6 +304,7 @@ def sampling_inputs(
     grammar_rows = [row for row, s in enumerate(seqs) if s.grammar is not None]
     if grammar_rows:
         arrays["grammar_rows"] = np.array(grammar_rows, dtype=np.int64)
+    top_k_max = max((p.top_k for p in ps), default=0)  # 0: no row sets top-k
     return SamplingPlan(
         seeds=[
             None if s.params.seed is None else row_seed(s.params.seed, s.num_output_tokens)
@@ -311,8 +312,8 @@ def sampling_inputs(
         ],
         logprobs=[p.logprobs for p in ps],
         all_greedy=all(p.greedy for p in ps),
-        do_top_k=any(p.top_k > 0 for p in ps),
-        top_k_max=max((p.top_k for p in ps if p.top_k > 0), default=0),
+        do_top_k=top_k_max > 0,
+        top_k_max=top_k_max,
         do_top_p_min_p=any(p.top_p < 1 or p.min_p > 0 for p in ps),
         do_penalties=do_pen,
         ban=bool(ban_rows),

@@ -49,7 +49,7 @@ class SamplingPlan:
     logprobs: list[int | None]  # top-k logprobs wanted, None: none
     all_greedy: bool = False
     do_top_k: bool = False
-    top_k_max: int = 0  # the largest top_k among rows that set one (0: none)
+    top_k_max: int = 0  # no row's top_k is larger (0: not known; top-k then sorts whole rows)
     do_top_p_min_p: bool = False
     do_penalties: bool = False
     ban: bool = False
