@@ -166,19 +166,6 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r98() {  # e90 (one H100, ~12 minutes): the KV pool sized with the sampler's profile:
-  # every GPU test but TP's (the new memory-profile test among them), then C, A and B in
-  # one engine (their KV blocks in phase_ours.json), FP8 (C, A, D c=64) and D at c=64, 256;
-  # the sampler's time and memory by setting (e91)
-  facts
-  ckpt_write
-  step tests-gpu 480 "${PT[@]}" tests/gpu --ignore=tests/gpu/test_tensor_parallel_cuda.py
-  bench base 300 ceilings,ours
-  bench fp8 420 fp8
-  bench serve 300 serve --concurrency 64,256
-  step sampler 240 python3 bench/sampler_bench.py --out-dir "$RES"
-}
-
 case "$1" in
   start)
     rm -f "$RES/finished"
