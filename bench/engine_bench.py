@@ -140,7 +140,8 @@ TP_PHASES = ("tp1", "tp2", "tp2-nccl", "serve-tp2", "allreduce", "c-tp2")
 # ``b-pieces-eager``: B with piecewise graphs of Inductor's or of the traced (eager) pieces,
 # each from an empty compile cache (start-up included); ``serve-pieces-eager``: D with the
 # latter at --piecewise-concurrency; ``c-auto`` and ``decode-kernels-auto``: C and its step
-# by kernel under ``cuda_graph_mode=auto`` (NOTES e74)
+# by kernel under ``cuda_graph_mode=auto`` (NOTES e74); ``a-sampled``: A greedy, then A
+# sampled (``SAMPLED``) in the same engine (NOTES e92)
 NAMED_PHASES = (
     "spec-device",
     "c",
@@ -151,6 +152,7 @@ NAMED_PHASES = (
     "serve-pieces-eager",
     "c-auto",
     "decode-kernels-auto",
+    "a-sampled",
 )
 TP_TARGETS = {"C": 0.62, "A": 1.6}  # TP=2 / TP=1: TPOT at most, throughput at least
 ALLREDUCE_BATCHES = (1, 64)
@@ -944,16 +946,24 @@ def _timed_generate(llm: Any, prompts: list[list[int]], params: Any) -> tuple[An
     return outs, wall, steps
 
 
-def _offline(llm: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
-    """Offline throughput of the given requests (greedy, ignore EOS)."""
+GREEDY = {"temperature": 0.0}
+# Llama 3.1 Instruct's generation_config.json: what a client that sets nothing samples with
+SAMPLED = {"temperature": 0.6, "top_p": 0.9}
+
+
+def _offline(
+    llm: Any, prompts: list[list[int]], outputs: list[int], sampling: dict[str, float] = GREEDY
+) -> dict[str, Any]:
+    """Offline throughput of the given requests (ignore EOS), sampled with ``sampling``
+    (SamplingParams fields; greedy by default)."""
     from kvscale.server import SamplingParams
 
     eng = llm.engine
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, **sampling) for o in outputs]
     # warm-up: every prompt's prefill and a decode step, untimed, so that the timed run
     # compiles no kernel variant (r73, r75: after 8 prompts only, a machine's first A
     # compiled inside its prefill steps, 246 ms each against 180, NOTES "e65 measured")
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, **sampling))
     eng.reset_prefix_cache()  # the warm-up's prompts must not be hits of the timed run
     before = eng.stats()
     outs, wall, steps = _timed_generate(llm, prompts, params)
@@ -1382,6 +1392,9 @@ def phase_ours(ckpt: Path, workloads: str = "CAB", **kw: Any) -> dict[str, Any]:
     if "A" in workloads:
         n, i, o = A_SHAPE
         res["A"] = _offline(llm, _prompts(n, i, 1), [o] * n)
+    if "S" in workloads:  # A sampled as Llama 3.1's generation config asks
+        n, i, o = A_SHAPE
+        res["A_sampled"] = {**_offline(llm, _prompts(n, i, 1), [o] * n, SAMPLED), **SAMPLED}
     if "B" in workloads:
         lengths = b_lengths()
         reqs = make_requests(lengths, SEED)
@@ -2023,6 +2036,7 @@ def main(argv: list[str] | None = None) -> int:
         "c-auto": lambda: phase_ours(ckpt, "C", cuda_graph_mode="auto"),
         "decode-kernels-auto": lambda: phase_decode_kernels(ckpt, cuda_graph_mode="auto"),
         "a": lambda: phase_ours(ckpt, "A"),
+        "a-sampled": lambda: phase_ours(ckpt, "AS"),
         "b": lambda: phase_ours(ckpt, "B"),
         "b-pieces": lambda: phase_b_pieces(ckpt, out / "compile-cache-b", "inductor"),
         "b-pieces-eager": lambda: phase_b_pieces(ckpt, out / "compile-cache-b", "eager"),

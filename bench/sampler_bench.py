@@ -11,8 +11,11 @@ Settings: ``argmax`` (a greedy step: the argmax of the model-dtype logits), ``te
 (0.8), ``top_p`` (0.9, temperature 0.8), ``top_k_top_p`` (50 and 0.9; the k-th logit by
 ``topk``, as the engine finds it when it knows the batch's largest k) and
 ``top_k_top_p_sort`` (the same through a sort of every row, the engine's way before),
-``every`` (top-k by a sort, top-p, min-p, the three penalties and 20 logprobs: what the KV
-pool's profile runs, NOTES e90).
+``top_p_sort`` (top-p's threshold from a sort of every row, the reference the CPU and
+compiled engines run, instead of the radix-select kernel: NOTES e92), ``every`` (top-k by a
+sort, top-p, min-p, the three penalties and 20 logprobs: what the KV pool's profile runs,
+NOTES e90). On CUDA, ``--digit-bits 1,2,3,5`` also times the top-p kernel at each of those
+widths (``threshold_bits<N>``: the softmax it needs, then the kernel).
 
     python bench/sampler_bench.py [--out-dir DIR] [--rows 1,64,256,1024] [--vocab 128256]
 """
@@ -20,14 +23,17 @@ pool's profile runs, NOTES e90).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvscale.kernels.top_p import top_p_threshold
 from kvscale.server.layers import ops
 from kvscale.server.layers.sampler import SamplingTensors, sample, top_logprobs
 from kvscale.server.sampling_params import MAX_LOGPROBS
@@ -38,6 +44,7 @@ SETTINGS = {  # name -> (temperature, top_k, top_p, min_p, penalties, logprobs, 
     "top_p": (0.8, 0, 0.9, 0.0, False, 0, 0),
     "top_k_top_p": (0.8, 50, 0.9, 0.0, False, 0, 50),
     "top_k_top_p_sort": (0.8, 50, 0.9, 0.0, False, 0, 0),
+    "top_p_sort": (0.8, 0, 0.9, 0.0, False, 0, 0),
     "every": (0.8, 50, 0.9, 0.05, True, MAX_LOGPROBS, 0),
 }
 
@@ -85,14 +92,24 @@ def sampling_step(
     return tokens
 
 
-def measure(rows: int, vocab: int, setting: tuple | None, device: torch.device, reps: int) -> dict:
-    """Median ms per step over ``reps`` calls after two warm-ups, and (CUDA) the peak
-    memory beyond the logits in GiB."""
+BY_SORT = {"top_p_sort"}  # settings run on the references, not the kernels
+
+
+def threshold_step(probs: torch.Tensor, digit_bits: int) -> torch.Tensor:
+    """The top-p kernel alone on ``probs [R, V]`` fp32 at top_p 0.9."""
+    return top_p_threshold(probs, torch.full_like(probs[:, 0], 0.9), digit_bits)
+
+
+def measure(
+    rows: int, vocab: int, step: Callable[[torch.Tensor], Any], device: torch.device, reps: int
+) -> dict:
+    """Median ms per ``step(logits)`` (``[rows, vocab]`` bf16 ``randn``) over ``reps``
+    calls after two warm-ups, and (CUDA) the peak memory beyond the logits in GiB."""
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(rows, vocab, device=device, generator=gen).to(torch.bfloat16)
     cuda = device.type == "cuda"
     for _ in range(2):
-        sampling_step(logits, setting, gen)
+        step(logits)
     times = []
     if cuda:
         torch.cuda.synchronize()
@@ -102,13 +119,13 @@ def measure(rows: int, vocab: int, setting: tuple | None, device: torch.device, 
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            sampling_step(logits, setting, gen)
+            step(logits)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            sampling_step(logits, setting, gen)
+            step(logits)
             times.append((time.perf_counter() - t0) * 1e3)
     out: dict[str, Any] = {"ms": statistics.median(times), "ms_min": min(times)}
     if cuda:
@@ -124,21 +141,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--digit-bits", default="", help="e.g. 1,2,3,5: the top-p kernel alone")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    ops.use_kernels(device.type == "cuda")  # the engine's argmax kernel on CUDA
+    cuda = device.type == "cuda"
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "vocab": args.vocab,
         "results": [],
     }
+    gen = torch.Generator(device=device).manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):
-        for name in args.settings.split(","):
-            r = measure(rows, args.vocab, SETTINGS[name], device, args.reps)
+        steps: dict[str, Callable[[torch.Tensor], Any]] = {
+            name: functools.partial(sampling_step, setting=SETTINGS[name], gen=gen)
+            for name in args.settings.split(",")
+        }
+        for bits in (int(b) for b in args.digit_bits.split(",") if b):
+            steps[f"threshold_bits{bits}"] = lambda lg, b=bits: threshold_step(
+                torch.softmax(lg.float(), dim=-1), b
+            )
+        for name, step in steps.items():
+            # the engine's kernels on CUDA (argmax, top-p), but for the sort's settings
+            with ops.kernels(cuda and name not in BY_SORT):
+                r = measure(rows, args.vocab, step, device, args.reps)
             res["results"].append({"rows": rows, "setting": name, **r})
             peak = f"  peak {r['peak_gib']:.2f} GiB" if "peak_gib" in r else ""
-            print(f"{rows:5d} rows  {name:12s} {r['ms']:8.3f} ms{peak}", flush=True)
+            print(f"{rows:5d} rows  {name:16s} {r['ms']:8.3f} ms{peak}", flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "sampler_bench.json").write_text(json.dumps(res, indent=2))
     return 0

@@ -40,6 +40,22 @@ def test_top_k_top_p_min_p_masks() -> None:
     assert _kept(top_k=3, top_p=0.7) == [0, 1]
 
 
+def test_top_p_one_keeps_every_token_beside_rows_that_cut() -> None:
+    # this sharp row's fp32 cumulative sum reaches 1.0 before its tail: a sort-based cut
+    # at top_p 1 dropped 978 of its 1,000 tokens whenever a neighbour set top_p
+    row = 12.0 * torch.randn(1, 1000, generator=torch.Generator().manual_seed(3))
+    logits = row.repeat(2, 1)
+    apply_top_k_top_p_min_p(logits, None, torch.tensor([0.9, 1.0]), None)
+    assert torch.isfinite(logits[1]).all()
+    assert 0 < torch.isfinite(logits[0]).sum() < 1000
+
+
+def test_top_p_keeps_the_ties_of_the_nucleus_last_token() -> None:
+    logits = torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1]]).log()
+    apply_top_k_top_p_min_p(logits, None, torch.tensor([0.5]), None)
+    assert torch.isfinite(logits[0]).tolist() == [True, True, True, False, False]
+
+
 def test_masks_apply_per_row() -> None:
     logits = PROBS.log().repeat(2, 1)
     apply_top_k_top_p_min_p(logits, torch.tensor([1, 0]), None, None)

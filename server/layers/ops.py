@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from kvscale.kernels import activation, fp8, rmsnorm, rotary, w4a16
+from kvscale.kernels import activation, fp8, rmsnorm, rotary, top_p, w4a16
 from kvscale.kernels import argmax as argmax_kernel
 
 rms_norm = rmsnorm.rms_norm_ref
@@ -30,6 +30,8 @@ fp8_quantize_groups = fp8.quantize_groups_ref
 # GPU's time counts; the draft and verify steps, where the host waits on each launch,
 # keep torch's one launch (the kernel takes two, each with more host time)
 argmax = argmax_kernel.argmax_ref
+# each row's nucleus threshold: a radix select on the device instead of a sort of the row
+top_p_threshold = top_p.top_p_threshold_ref
 _kernels = False
 
 
@@ -49,6 +51,7 @@ def use_kernels(enabled: bool) -> bool:
         w4a16_gemm=getattr(w4a16, "w4a16_gemm" + suffix),
         fp8_quantize_groups=getattr(fp8, "quantize_groups" + suffix),
         argmax=getattr(argmax_kernel, "argmax" + suffix),
+        top_p_threshold=getattr(top_p, "top_p_threshold" + suffix),
     )
     return previous
 

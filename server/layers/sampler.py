@@ -101,7 +101,8 @@ def apply_top_k_top_p_min_p(
 ) -> torch.Tensor:
     """Masks (with -inf) tokens outside top-k, outside the top-p nucleus, or under
     ``min_p * max_prob``. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 disable per row.
-    The most likely token is always kept; top-k keeps every token tied with the k-th.
+    The most likely token is always kept; top-k keeps every token tied with the k-th, and
+    top-p every token tied with the nucleus's least likely.
 
     ``top_k_max``: no row's top_k exceeds it (0: not known). Up to ``TOPK_SELECT_MAX`` the
     k-th largest logit comes from ``topk(top_k_max)`` instead of a full sort: the same
@@ -122,13 +123,10 @@ def apply_top_k_top_p_min_p(
             threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             logits.masked_fill_(probs < threshold, float("-inf"))
         if top_p is not None:
-            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-            cum = torch.cumsum(sorted_probs, dim=-1)
-            # drop a token if the mass strictly before it already reaches top_p
-            drop_sorted = (cum - sorted_probs) >= top_p.unsqueeze(1)
-            drop_sorted[:, 0] = False
-            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-            logits.masked_fill_(drop, float("-inf"))
+            # the nucleus: the fewest most likely tokens whose mass reaches top_p, and
+            # their ties (a radix select on CUDA: ``kvscale.kernels.top_p``)
+            tau = ops.top_p_threshold(probs, top_p)
+            logits.masked_fill_(probs < tau.unsqueeze(1), float("-inf"))
     return logits
 
 

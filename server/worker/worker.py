@@ -513,7 +513,7 @@ class Worker:
                     f"sample() needs a bitmask row for each"
                 )
             fwd.dev.update(to_device({"bitmask": bitmask}, self.device))
-        with ops.kernels(self.use_kernels):  # the sampler's argmax: as ``forward``
+        with ops.kernels(self.use_kernels):  # the sampler's argmax and top-p: as ``forward``
             return self._sample(plan, fwd.logits, fwd.dev, host_plp)
 
     def _run_model(self, step: StepInput, dev: dict[str, torch.Tensor]) -> torch.Tensor:
