@@ -166,6 +166,24 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
+plan_r99() {  # e92 (one H100, ~8 minutes): top-p by radix select. Its kernel tests natively,
+  # the sampled GPU tests; the sampler by setting with the kernel's digit widths; A greedy and
+  # sampled (temperature 0.6, top-p 0.9) in one engine, at HEAD and with the sort before
+  # (bench/patches/e92_top_p_by_sort.patch), HEAD / before / HEAD
+  facts
+  ckpt_write
+  step tests-kernels 180 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py \
+    tests/kernels/test_argmax.py
+  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
+    tests/gpu/test_structured_cuda.py tests/gpu/test_memory_profile_cuda.py
+  step sampler 180 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 1,2,3,5,6
+  engine_args a-sampled a-sampled-head-1
+  variant_tree e92_top_p_by_sort.patch before
+  engine_args a-sampled a-sampled-before-1
+  install_tree . head
+  engine_args a-sampled a-sampled-head-2
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"
