@@ -24,6 +24,8 @@ import triton.language as tl
 
 BLOCK = 1024  # elements of a row per loop iteration
 DIGIT_BITS = 3  # bits of tau fixed per pass over the row (30 / 3 = 10 passes)
+# widths that divide 30: fewer bits make more passes, more bits a wider [BLOCK, 2**bits] sum
+DIGIT_WIDTHS = (2, 3, 5, 6)
 
 
 @triton.jit
@@ -46,7 +48,7 @@ def _top_p_threshold_kernel(
     prefix = tl.zeros([], dtype=tl.int32)  # tau's bits fixed so far, right-aligned
     above = tl.zeros([], dtype=tl.float32)  # mass of the values above the prefix
     for i in tl.static_range(30 // DIGIT_BITS):
-        shift: tl.constexpr = 30 - DIGIT_BITS * (i + 1)
+        shift = 30 - DIGIT_BITS * (i + 1)
         mass = tl.zeros([NUM_DIGITS], dtype=tl.float32)  # by the next digit, in the prefix
         for start in range(0, end, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -70,11 +72,11 @@ def top_p_threshold(
     probs: torch.Tensor, top_p: torch.Tensor, digit_bits: int = DIGIT_BITS
 ) -> torch.Tensor:
     """Each row's nucleus threshold ``tau [N]`` fp32 (see module doc); ``digit_bits``:
-    bits fixed per pass (1, 2, 3, 5, 6 or 10)."""
+    bits fixed per pass, one of ``DIGIT_WIDTHS``."""
     _check(probs, top_p)
-    if 30 % digit_bits or digit_bits > 10:
+    if digit_bits not in DIGIT_WIDTHS:
         raise ValueError(
-            f"top_p_threshold: digit_bits must divide 30 and be <= 10, got {digit_bits}"
+            f"top_p_threshold: digit_bits must be one of {DIGIT_WIDTHS}, got {digit_bits}"
         )
     n, vocab = probs.shape
     tau = torch.empty(n, dtype=torch.float32, device=probs.device)
