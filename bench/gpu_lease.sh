@@ -176,12 +176,23 @@ plan_r99() {  # e92 (one H100, ~8 minutes): top-p by radix select. Its kernel te
     tests/kernels/test_argmax.py
   step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
     tests/gpu/test_structured_cuda.py tests/gpu/test_memory_profile_cuda.py
-  step sampler 180 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 2,3,5,6
+  step sampler 180 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 2,3,4,5
   engine_args a-sampled a-sampled-head-1
   variant_tree e92_top_p_by_sort.patch before
   engine_args a-sampled a-sampled-before-1
   install_tree . head
   engine_args a-sampled a-sampled-head-2
+}
+
+plan_r99b() {  # e92 after r99 (one H100, ~3 minutes): the kernel's sums kept per lane through
+  # the loop (r99's reduced every iteration: 1 ms a row on one SM). Its tests natively; the
+  # sampler at 1-1,024 rows by width; A greedy and sampled at HEAD
+  facts
+  ckpt_write
+  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py
+  step sampler 150 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 2,3,4,5 \
+    --rows 1,8,32,64,256,1024 --settings temperature,top_p,top_p_sort,top_k_top_p,every
+  engine_args a-sampled a-sampled-head-3
 }
 
 case "$1" in

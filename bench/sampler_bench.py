@@ -14,7 +14,7 @@ Settings: ``argmax`` (a greedy step: the argmax of the model-dtype logits), ``te
 ``top_p_sort`` (top-p's threshold from a sort of every row, the reference the CPU and
 compiled engines run, instead of the radix-select kernel: NOTES e92), ``every`` (top-k by a
 sort, top-p, min-p, the three penalties and 20 logprobs: what the KV pool's profile runs,
-NOTES e90). On CUDA, ``--digit-bits 2,3,5,6`` also times the top-p kernel at each of those
+NOTES e90). On CUDA, ``--digit-bits 2,3,4,5`` also times the top-p kernel at each of those
 widths (``threshold_bits<N>``: the softmax it needs, then the kernel).
 
     python bench/sampler_bench.py [--out-dir DIR] [--rows 1,64,256,1024] [--vocab 128256]
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--digit-bits", default="", help="e.g. 2,3,5,6: the top-p kernel alone")
+    ap.add_argument("--digit-bits", default="", help="e.g. 2,3,4,5: the top-p kernel alone")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"

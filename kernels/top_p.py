@@ -12,8 +12,8 @@ finds ``tau``'s bits a few at a time, from the top: non-negative fp32 values ord
 their bit patterns do, so each pass sums the row's mass by the next ``DIGIT_BITS`` bits
 among the values that match the bits fixed so far, and keeps the largest digit whose mass
 above, with everything above it, still reaches ``top_p``. Probabilities are below 2, so
-their top two bits are 0 and 30 bits are left: ``30 / DIGIT_BITS`` passes over the row,
-each read mostly from L2 after the first.
+their top two bits are 0 and 30 bits are left: ``ceil(30 / DIGIT_BITS)`` passes over the
+row, each read mostly from L2 after the first.
 """
 
 from __future__ import annotations
@@ -22,10 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements of a row per loop iteration
 DIGIT_BITS = 3  # bits of tau fixed per pass over the row (30 / 3 = 10 passes)
-# widths that divide 30: fewer bits make more passes, more bits a wider [BLOCK, 2**bits] sum
-DIGIT_WIDTHS = (2, 3, 5, 6)
+# fewer bits make more passes over the row, more bits more sums per element and pass
+DIGIT_WIDTHS = (2, 3, 4, 5)
+LANES = 8192  # BLOCK x 2**DIGIT_BITS per-lane sums a program holds (32 registers a thread)
+
+
+def block_for(digit_bits: int) -> int:
+    """Elements of a row per loop iteration at ``digit_bits``: at most 1,024."""
+    return min(1024, LANES >> digit_bits)
 
 
 @triton.jit
@@ -44,12 +49,15 @@ def _top_p_threshold_kernel(
     base = probs_ptr + row * stride
     end = tl.where(p < 1.0, vocab, 0)  # rows that keep everything read nothing
     NUM_DIGITS: tl.constexpr = 1 << DIGIT_BITS
+    PASSES: tl.constexpr = (30 + DIGIT_BITS - 1) // DIGIT_BITS  # probabilities' 30 low bits
     digits = tl.arange(0, NUM_DIGITS)
     prefix = tl.zeros([], dtype=tl.int32)  # tau's bits fixed so far, right-aligned
     above = tl.zeros([], dtype=tl.float32)  # mass of the values above the prefix
-    for i in tl.static_range(30 // DIGIT_BITS):
-        shift = 30 - DIGIT_BITS * (i + 1)
-        mass = tl.zeros([NUM_DIGITS], dtype=tl.float32)  # by the next digit, in the prefix
+    for i in tl.static_range(PASSES):
+        shift = DIGIT_BITS * (PASSES - 1 - i)
+        # mass by the next digit among the values in the prefix, summed across the loop
+        # per lane and reduced once after it (a reduction per iteration costs shuffles)
+        lanes = tl.zeros([BLOCK, NUM_DIGITS], dtype=tl.float32)
         for start in range(0, end, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             live = offs < vocab
@@ -59,7 +67,8 @@ def _top_p_threshold_kernel(
                 live = live & ((bits >> (shift + DIGIT_BITS)) == prefix)
             digit = (bits >> shift) & (NUM_DIGITS - 1)
             w = tl.where(live, x, 0.0)
-            mass += tl.sum(tl.where(digit[:, None] == digits[None, :], w[:, None], 0.0), 0)
+            lanes += tl.where(digit[:, None] == digits[None, :], w[:, None], 0.0)
+        mass = tl.sum(lanes, 0)
         # mass at or above each digit; the largest digit that still reaches top_p
         at_or_above = tl.sum(tl.where(digits[None, :] >= digits[:, None], mass[None, :], 0.0), 1)
         d = tl.max(tl.where(above + at_or_above >= p, digits, 0), 0)
@@ -84,15 +93,16 @@ def top_p_threshold(
         return tau
     if probs.stride(1) != 1:
         probs = probs.contiguous()
+    block = block_for(digit_bits)
     _top_p_threshold_kernel[(n,)](
         probs,
         top_p.contiguous(),
         tau,
         vocab,
         probs.stride(0),
-        BLOCK=BLOCK,
+        BLOCK=block,
         DIGIT_BITS=digit_bits,
-        num_warps=8,
+        num_warps=block // 128,  # four elements a thread: 16-byte loads
     )
     return tau
 
