@@ -7,13 +7,15 @@ member. ``tau`` is the largest value ``v`` with ``mass(probs >= v) >= top_p``; r
 ``top_p >= 1`` get 0 (every token kept) and read nothing.
 
 A sort of every row (values and int64 indices), its cumulative sum and a scatter back
-cost 4.3 ms a step at 256 rows of 128,256 on an H100 (r98). Here one program per row
-finds ``tau``'s bits a few at a time, from the top: non-negative fp32 values order as
-their bit patterns do, so each pass sums the row's mass by the next ``DIGIT_BITS`` bits
-among the values that match the bits fixed so far, and keeps the largest digit whose mass
-above, with everything above it, still reaches ``top_p``. Probabilities are below 2, so
-their top two bits are 0 and 30 bits are left: ``ceil(30 / DIGIT_BITS)`` passes over the
-row, each read mostly from L2 after the first.
+cost 4.3 ms a step at 256 rows of 128,256 on an H100 (r98). Here ``tau``'s bits are found
+a few at a time, from the top: non-negative fp32 values order as their bit patterns do,
+so each pass sums the row's mass by the next ``DIGIT_BITS`` bits among the values that
+match the bits fixed so far, and keeps the largest digit whose mass, with everything
+above it, still reaches ``top_p``. Probabilities are below 2, so their top two bits are 0
+and 30 bits are left: ``ceil(30 / DIGIT_BITS)`` passes. A pass is a launch of a program
+per ``CHUNK`` of each row, so a row is read by many SMs at once (one program per row was
+latency-bound: ~0.7 ms a row on an H100, r99b); the next launch's programs each sum the
+chunks' masses to take the pass's digit, and a last launch stores ``tau``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import triton
 import triton.language as tl
 
 DIGIT_BITS = 3  # bits of tau fixed per pass over the row (30 / 3 = 10 passes)
-# fewer bits make more passes over the row, more bits more sums per element and pass
+# fewer bits make more passes (and launches), more bits more sums per element and pass
 DIGIT_WIDTHS = (2, 3, 4, 5)
+CHUNK = 4096  # elements of a row per program and pass
 LANES = 8192  # BLOCK x 2**DIGIT_BITS per-lane sums a program holds (32 registers a thread)
 
 
@@ -33,48 +36,86 @@ def block_for(digit_bits: int) -> int:
     return min(1024, LANES >> digit_bits)
 
 
+def warps_for(digit_bits: int) -> int:
+    """Warps a program: four elements a thread at most (16-byte loads), four warps at most
+    (eight at 1,024 x 8 sums spill registers)."""
+    return max(1, min(4, block_for(digit_bits) // 128))
+
+
+def passes_for(digit_bits: int) -> int:
+    """Passes over a row: probabilities' 30 low bits, ``digit_bits`` at a time."""
+    return -(-30 // digit_bits)
+
+
 @triton.jit
-def _top_p_threshold_kernel(
+def _top_p_pass_kernel(
     probs_ptr,
     top_p_ptr,
-    tau_ptr,
+    masses_ptr,
+    prefix_ptr,
+    above_ptr,
     vocab,
     stride,
-    BLOCK: tl.constexpr,
+    num_rows,
+    num_chunks,
+    PASS: tl.constexpr,
+    PASSES: tl.constexpr,
     DIGIT_BITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
 ):
+    """Launch ``PASS`` of ``PASSES + 1``, program (row, chunk): every program of a row
+    first takes the previous pass's digit from its masses (all programs reach the same one
+    from the same sums; chunk 0 records it), then sums its chunk's mass by the next digit
+    among the values in the prefix. The last launch (one program a row) stores tau."""
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     # top_p 0 keeps the most likely token (and its ties), as a tiny top_p does
     p = tl.maximum(tl.load(top_p_ptr + row), 1e-30)
-    base = probs_ptr + row * stride
-    end = tl.where(p < 1.0, vocab, 0)  # rows that keep everything read nothing
     NUM_DIGITS: tl.constexpr = 1 << DIGIT_BITS
-    PASSES: tl.constexpr = (30 + DIGIT_BITS - 1) // DIGIT_BITS  # probabilities' 30 low bits
     digits = tl.arange(0, NUM_DIGITS)
     prefix = tl.zeros([], dtype=tl.int32)  # tau's bits fixed so far, right-aligned
     above = tl.zeros([], dtype=tl.float32)  # mass of the values above the prefix
-    for i in tl.static_range(PASSES):
-        shift = DIGIT_BITS * (PASSES - 1 - i)
-        # mass by the next digit among the values in the prefix, summed across the loop
-        # per lane and reduced once after it (a reduction per iteration costs shuffles)
-        lanes = tl.zeros([BLOCK, NUM_DIGITS], dtype=tl.float32)
-        for start in range(0, end, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            live = offs < vocab
-            x = tl.load(base + offs, mask=live, other=0.0)
-            bits = x.to(tl.int32, bitcast=True)
-            if i > 0:
-                live = live & ((bits >> (shift + DIGIT_BITS)) == prefix)
-            digit = (bits >> shift) & (NUM_DIGITS - 1)
-            w = tl.where(live, x, 0.0)
-            lanes += tl.where(digit[:, None] == digits[None, :], w[:, None], 0.0)
-        mass = tl.sum(lanes, 0)
+    if PASS > 0:
+        if PASS > 1:
+            prefix = tl.load(prefix_ptr + (PASS - 1) * num_rows + row)
+            above = tl.load(above_ptr + (PASS - 1) * num_rows + row)
+        chunks = tl.arange(0, CHUNKS_PAD)
+        at = ((PASS - 1) % 2 * num_rows + row) * num_chunks * NUM_DIGITS
+        m = tl.load(
+            masses_ptr + at + chunks[:, None] * NUM_DIGITS + digits[None, :],
+            mask=(chunks < num_chunks)[:, None],
+            other=0.0,
+        )
+        mass = tl.sum(m, 0)  # [NUM_DIGITS]: the previous pass's, over the row
         # mass at or above each digit; the largest digit that still reaches top_p
         at_or_above = tl.sum(tl.where(digits[None, :] >= digits[:, None], mass[None, :], 0.0), 1)
         d = tl.max(tl.where(above + at_or_above >= p, digits, 0), 0)
         above += tl.sum(tl.where(digits > d, mass, 0.0), 0)
         prefix = (prefix << DIGIT_BITS) | d
-    tl.store(tau_ptr + row, prefix.to(tl.float32, bitcast=True))
+        first = c == 0
+        tl.store(prefix_ptr + PASS * num_rows + row, prefix, mask=first)
+        tl.store(above_ptr + PASS * num_rows + row, above, mask=first)
+    if PASS < PASSES:
+        shift = DIGIT_BITS * (PASSES - 1 - PASS)
+        begin = c * CHUNK
+        end = tl.where(p < 1.0, tl.minimum(begin + CHUNK, vocab), begin)  # top_p 1: nothing
+        base = probs_ptr + row * stride
+        # per-lane sums through the loop, reduced once after it
+        lanes = tl.zeros([BLOCK, NUM_DIGITS], dtype=tl.float32)
+        for start in range(begin, end, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            live = offs < end
+            x = tl.load(base + offs, mask=live, other=0.0)
+            bits = x.to(tl.int32, bitcast=True)
+            if PASS > 0:
+                live = live & ((bits >> (shift + DIGIT_BITS)) == prefix)
+            digit = (bits >> shift) & (NUM_DIGITS - 1)
+            w = tl.where(live, x, 0.0)
+            lanes += tl.where(digit[:, None] == digits[None, :], w[:, None], 0.0)
+        at = ((PASS % 2) * num_rows + row) * num_chunks * NUM_DIGITS + c * NUM_DIGITS
+        tl.store(masses_ptr + at + digits, tl.sum(lanes, 0))
 
 
 def top_p_threshold(
@@ -88,23 +129,37 @@ def top_p_threshold(
             f"top_p_threshold: digit_bits must be one of {DIGIT_WIDTHS}, got {digit_bits}"
         )
     n, vocab = probs.shape
-    tau = torch.empty(n, dtype=torch.float32, device=probs.device)
     if n == 0:
-        return tau
+        return torch.empty(0, dtype=torch.float32, device=probs.device)
     if probs.stride(1) != 1:
         probs = probs.contiguous()
-    block = block_for(digit_bits)
-    _top_p_threshold_kernel[(n,)](
-        probs,
-        top_p.contiguous(),
-        tau,
-        vocab,
-        probs.stride(0),
-        BLOCK=block,
-        DIGIT_BITS=digit_bits,
-        num_warps=block // 128,  # four elements a thread: 16-byte loads
-    )
-    return tau
+    top_p = top_p.contiguous()
+    passes, block = passes_for(digit_bits), block_for(digit_bits)
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    dev = probs.device
+    masses = torch.empty(2, n, num_chunks, 1 << digit_bits, dtype=torch.float32, device=dev)
+    prefix = torch.empty(passes + 1, n, dtype=torch.int32, device=dev)  # after each pass
+    above = torch.empty(passes + 1, n, dtype=torch.float32, device=dev)
+    for i in range(passes + 1):
+        _top_p_pass_kernel[(n, num_chunks if i < passes else 1)](
+            probs,
+            top_p,
+            masses,
+            prefix,
+            above,
+            vocab,
+            probs.stride(0),
+            n,
+            num_chunks,
+            PASS=i,
+            PASSES=passes,
+            DIGIT_BITS=digit_bits,
+            CHUNK=CHUNK,
+            BLOCK=block,
+            CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
+            num_warps=warps_for(digit_bits),
+        )
+    return prefix[passes].view(torch.float32)  # tau's bits
 
 
 def top_p_threshold_ref(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

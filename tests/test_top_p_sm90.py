@@ -1,6 +1,6 @@
-"""The top-p kernel compiled for Hopper on this CPU machine: it compiles (the interpreter
-ran a constexpr reassignment the compiler rejects), and each pass reads the row in 16-byte
-loads."""
+"""The top-p kernel compiled for Hopper on this CPU machine: each of its launches compiles
+(the interpreter ran a constexpr reassignment the compiler rejects), reads the row in
+16-byte loads and keeps its per-lane sums in registers."""
 
 from __future__ import annotations
 
@@ -9,19 +9,21 @@ import pytest
 from tests.sm90 import compile_sm90, opcode, sass
 
 
-@pytest.mark.parametrize("digit_bits", [3, 4])
-def test_compiles_for_sm90_with_wide_loads(digit_bits: int) -> None:
+@pytest.mark.parametrize("digit_bits", [3, 5])
+def test_each_pass_compiles_for_sm90_with_wide_loads(digit_bits: int) -> None:
     pytest.importorskip("triton")
-    from kvscale.kernels.top_p import _top_p_threshold_kernel, block_for
+    from kvscale.kernels.top_p import CHUNK, _top_p_pass_kernel, block_for, passes_for, warps_for
 
-    types = {"probs_ptr": "*fp32", "top_p_ptr": "*fp32", "tau_ptr": "*fp32"}
-    types |= {"vocab": "i32", "stride": "i32"}
-    consts = {"BLOCK": block_for(digit_bits), "DIGIT_BITS": digit_bits}
-    # a launch over 128,256-token rows: pointers and sizes divisible by 16
-    kernel = compile_sm90(
-        _top_p_threshold_kernel, types, consts, set(types), num_warps=consts["BLOCK"] // 128
-    )
-    loads = [opcode(i) for i in sass(kernel) if opcode(i).startswith("LDG")]
-    # one scalar load (the row's top_p), then one 16-byte load of the row per pass
-    passes = -(-30 // digit_bits)
-    assert sorted(loads) == ["LDG.E"] + ["LDG.E.128"] * passes, loads
+    ptrs = ("probs_ptr", "top_p_ptr", "masses_ptr", "above_ptr")
+    types = {n: "*fp32" for n in ptrs} | {"prefix_ptr": "*i32"}
+    types |= {n: "i32" for n in ("vocab", "stride", "num_rows", "num_chunks")}
+    block, passes = block_for(digit_bits), passes_for(digit_bits)
+    for i in (0, 1, 2, passes):  # the first, the first two that read state, the last
+        consts = {"PASS": i, "PASSES": passes, "DIGIT_BITS": digit_bits, "CHUNK": CHUNK}
+        consts |= {"BLOCK": block, "CHUNKS_PAD": 32}
+        # a launch over 128,256-token rows: pointers and sizes divisible by 16
+        kernel = compile_sm90(_top_p_pass_kernel, types, consts, set(types), warps_for(digit_bits))
+        ops = [opcode(x) for x in sass(kernel)]
+        assert not [op for op in ops if op.startswith(("STL", "LDL"))], "spills"
+        if i < passes:
+            assert "LDG.E.128" in ops, ops  # the row's chunk
