@@ -195,15 +195,13 @@ plan_r99b() {  # e92 after r99 (one H100, ~3 minutes): the kernel's sums kept pe
   engine_args a-sampled a-sampled-head-3
 }
 
-plan_r99c() {  # e92 after r99b (one H100, ~3 minutes): a launch per pass, a program per
-  # 4,096-token chunk of a row (r99b's program per row: ~0.7 ms a row, latency-bound). Its
-  # tests natively; the sampler at 1-1,024 rows by width; A greedy and sampled at HEAD
+plan_r99c() {  # e92 after r99b (one GPU, ~1.5 minutes: the device time left): a launch per
+  # pass, a program per 4,096-token chunk of a row (r99b's program per row: ~0.7 ms a row,
+  # latency-bound). Its tests natively; the sampler at 1-1,024 rows by width, the sort beside
   facts
-  ckpt_write
   step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py
   step sampler 150 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 3,4 \
-    --rows 1,8,64,256,1024 --settings temperature,top_p,top_p_sort,top_k_top_p,every
-  engine_args a-sampled a-sampled-head-4
+    --rows 1,8,64,256,1024 --settings temperature,top_p,top_p_sort,top_k_top_p
 }
 
 case "$1" in
