@@ -166,6 +166,15 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
+plan_r99d() {  # e92 after r99c (one GPU, ~1 minute: the device time left): the chunk loads
+  # in the sums' layout (r99c's took a trip through shared memory with barriers each
+  # iteration). Its tests natively; the sampler, the sort beside
+  facts
+  step tests-kernels 90 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py
+  step sampler 90 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 3 \
+    --rows 1,64,256,1024 --settings temperature,top_p,top_p_sort
+}
+
 plan_r99() {  # e92 (one H100, ~8 minutes): top-p by radix select. Its kernel tests natively,
   # the sampled GPU tests; the sampler by setting with the kernel's digit widths; A greedy and
   # sampled (temperature 0.6, top-p 0.9) in one engine, at HEAD and with the sort before

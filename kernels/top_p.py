@@ -103,9 +103,11 @@ def _top_p_pass_kernel(
         end = tl.where(p < 1.0, tl.minimum(begin + CHUNK, vocab), begin)  # top_p 1: nothing
         base = probs_ptr + row * stride
         # per-lane sums through the loop, reduced once after it
-        lanes = tl.zeros([BLOCK, NUM_DIGITS], dtype=tl.float32)
+        lanes = tl.zeros([NUM_DIGITS, BLOCK], dtype=tl.float32)
         for start in range(begin, end, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+            # [1, BLOCK]: loaded in the layout the sums use (a 1-D load took a trip through
+            # shared memory, with barriers, every iteration)
+            offs = start + tl.arange(0, BLOCK)[None, :]
             live = offs < end
             x = tl.load(base + offs, mask=live, other=0.0)
             bits = x.to(tl.int32, bitcast=True)
@@ -113,9 +115,9 @@ def _top_p_pass_kernel(
                 live = live & ((bits >> (shift + DIGIT_BITS)) == prefix)
             digit = (bits >> shift) & (NUM_DIGITS - 1)
             w = tl.where(live, x, 0.0)
-            lanes += tl.where(digit[:, None] == digits[None, :], w[:, None], 0.0)
+            lanes += tl.where(digits[:, None] == digit, w, 0.0)
         at = ((PASS % 2) * num_rows + row) * num_chunks * NUM_DIGITS + c * NUM_DIGITS
-        tl.store(masses_ptr + at + digits, tl.sum(lanes, 0))
+        tl.store(masses_ptr + at + digits, tl.sum(lanes, 1))
 
 
 def top_p_threshold(
