@@ -166,51 +166,23 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r99d() {  # e92 after r99c (one GPU, ~1 minute: the device time left): the chunk loads
-  # in the sums' layout (r99c's took a trip through shared memory with barriers each
-  # iteration). Its tests natively; the sampler, the sort beside
-  facts
-  step tests-kernels 90 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py
-  step sampler 90 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 3 \
-    --rows 1,64,256,1024 --settings temperature,top_p,top_p_sort
-}
-
-plan_r99() {  # e92 (one H100, ~8 minutes): top-p by radix select. Its kernel tests natively,
-  # the sampled GPU tests; the sampler by setting with the kernel's digit widths; A greedy and
-  # sampled (temperature 0.6, top-p 0.9) in one engine, at HEAD and with the sort before
+plan_r100() {  # e93 (one H100, ~8 minutes): top-p at HEAD (a launch per pass, a program per
+  # 4,096-token chunk, the chunk loaded in the sums' layout; a sort below 8 rows). Its tests
+  # natively and the sampled GPU tests; the sampler by row count and width with the sort
+  # beside; A greedy and sampled at HEAD and with the sort before
   # (bench/patches/e92_top_p_by_sort.patch), HEAD / before / HEAD
   facts
   ckpt_write
-  step tests-kernels 180 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py \
-    tests/kernels/test_argmax.py
+  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py
   step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
     tests/gpu/test_structured_cuda.py tests/gpu/test_memory_profile_cuda.py
-  step sampler 180 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 2,3,4,5
+  step sampler 180 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 2,3,4 \
+    --rows 1,4,8,64,256,1024
   engine_args a-sampled a-sampled-head-1
   variant_tree e92_top_p_by_sort.patch before
   engine_args a-sampled a-sampled-before-1
   install_tree . head
   engine_args a-sampled a-sampled-head-2
-}
-
-plan_r99b() {  # e92 after r99 (one H100, ~3 minutes): the kernel's sums kept per lane through
-  # the loop (r99's reduced every iteration: 1 ms a row on one SM). Its tests natively; the
-  # sampler at 1-1,024 rows by width; A greedy and sampled at HEAD
-  facts
-  ckpt_write
-  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py
-  step sampler 150 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 2,3,4,5 \
-    --rows 1,8,32,64,256,1024 --settings temperature,top_p,top_p_sort,top_k_top_p,every
-  engine_args a-sampled a-sampled-head-3
-}
-
-plan_r99c() {  # e92 after r99b (one GPU, ~1.5 minutes: the device time left): a launch per
-  # pass, a program per 4,096-token chunk of a row (r99b's program per row: ~0.7 ms a row,
-  # latency-bound). Its tests natively; the sampler at 1-1,024 rows by width, the sort beside
-  facts
-  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py
-  step sampler 150 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 3,4 \
-    --rows 1,8,64,256,1024 --settings temperature,top_p,top_p_sort,top_k_top_p
 }
 
 case "$1" in

@@ -28,6 +28,9 @@ DIGIT_BITS = 3  # bits of tau fixed per pass over the row (30 / 3 = 10 passes)
 # fewer bits make more passes (and launches), more bits more sums per element and pass
 DIGIT_WIDTHS = (2, 3, 4, 5)
 CHUNK = 4096  # elements of a row per program and pass
+# fewer rows sort: one sort beats eleven short launches at 1 row, not at 8 (r99c, an H100:
+# top-p 0.491 against 0.642 ms at 1 row, 0.682 against 0.605 at 8)
+MIN_ROWS = 8
 LANES = 8192  # BLOCK x 2**DIGIT_BITS per-lane sums a program holds (32 registers a thread)
 
 
@@ -121,16 +124,22 @@ def _top_p_pass_kernel(
 
 
 def top_p_threshold(
-    probs: torch.Tensor, top_p: torch.Tensor, digit_bits: int = DIGIT_BITS
+    probs: torch.Tensor,
+    top_p: torch.Tensor,
+    digit_bits: int = DIGIT_BITS,
+    min_rows: int = MIN_ROWS,
 ) -> torch.Tensor:
     """Each row's nucleus threshold ``tau [N]`` fp32 (see module doc); ``digit_bits``:
-    bits fixed per pass, one of ``DIGIT_WIDTHS``."""
+    bits fixed per pass, one of ``DIGIT_WIDTHS``; below ``min_rows`` rows the reference's
+    sort instead (the same threshold)."""
     _check(probs, top_p)
     if digit_bits not in DIGIT_WIDTHS:
         raise ValueError(
             f"top_p_threshold: digit_bits must be one of {DIGIT_WIDTHS}, got {digit_bits}"
         )
     n, vocab = probs.shape
+    if n < min_rows:
+        return top_p_threshold_ref(probs, top_p)
     if n == 0:
         return torch.empty(0, dtype=torch.float32, device=probs.device)
     if probs.stride(1) != 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscale.kernels.top_p import top_p_threshold, top_p_threshold_ref
+from kvscale.kernels.top_p import MIN_ROWS, top_p_threshold, top_p_threshold_ref
 
 
 def _probs(rows: int, vocab: int, scale: float, device: torch.device) -> torch.Tensor:
@@ -50,7 +50,7 @@ def _assert_nucleus(probs: torch.Tensor, top_p: torch.Tensor, tau: torch.Tensor)
 def test_threshold_keeps_the_nucleus(vocab: int, scale: float, device: torch.device) -> None:
     top_p = torch.tensor([0.0, 1e-6, 0.3, 0.5, 0.9, 0.95, 0.999, 1.0], device=device)
     probs = _probs(len(top_p), vocab, scale, device)
-    got = top_p_threshold(probs, top_p)
+    got = top_p_threshold(probs, top_p, min_rows=0)
     _assert_nucleus(probs, top_p, got)
     _assert_nucleus(probs, top_p, top_p_threshold_ref(probs, top_p))
     assert got[-1].item() == 0.0  # top_p 1: every token
@@ -61,7 +61,7 @@ def test_threshold_keeps_the_nucleus(vocab: int, scale: float, device: torch.dev
 def test_every_digit_width(digit_bits: int, device: torch.device) -> None:
     top_p = torch.tensor([0.0, 0.5, 0.9, 0.999, 1.0], device=device)
     probs = _probs(len(top_p), 1000, 3.0, device)
-    got = top_p_threshold(probs, top_p, digit_bits)
+    got = top_p_threshold(probs, top_p, digit_bits, min_rows=0)
     _assert_nucleus(probs, top_p, got)
 
 
@@ -70,7 +70,7 @@ def test_ties_and_zeros(device: torch.device) -> None:
     skewed = torch.tensor([0.1, 0.4, 0.0, 0.2, 0.2, 0.1], device=device)
     probs = torch.stack([quarter, quarter, skewed, skewed, skewed])
     top_p = torch.tensor([0.5, 0.8, 0.4, 0.5, 0.75], device=device)
-    got = top_p_threshold(probs, top_p)
+    got = top_p_threshold(probs, top_p, min_rows=0)
     assert got.tolist() == top_p_threshold_ref(probs, top_p).tolist()
     kept = (probs >= got.unsqueeze(1)).int().tolist()
     assert kept[0] == [1, 0, 1, 1, 0, 1]  # tied with the last member: every quarter
@@ -85,8 +85,16 @@ def test_masked_rows_and_a_llama3_vocabulary(device: torch.device) -> None:
     probs[1] = 0.0
     probs[1, top.indices] = top.values / top.values.sum()  # top-k's survivors only
     top_p = torch.tensor([0.9, 0.6], device=device)
-    got = top_p_threshold(probs, top_p)
+    got = top_p_threshold(probs, top_p, min_rows=0)
     _assert_nucleus(probs, top_p, got)
+
+
+def test_fewer_rows_than_min_rows_sort(device: torch.device) -> None:
+    probs = _probs(MIN_ROWS - 1, 1000, 3.0, device)
+    top_p = torch.full((MIN_ROWS - 1,), 0.9, device=device)
+    want = top_p_threshold_ref(probs, top_p)
+    assert torch.equal(top_p_threshold(probs, top_p), want)
+    _assert_nucleus(probs, top_p, top_p_threshold(probs, top_p, min_rows=0))
 
 
 def test_strided_rows_and_errors(device: torch.device) -> None:
@@ -94,8 +102,8 @@ def test_strided_rows_and_errors(device: torch.device) -> None:
     probs = wide[:, :1000] / wide[:, :1000].sum(-1, keepdim=True)
     probs = torch.empty(4, 1200, device=device)[:, :1000].copy_(probs)  # row stride 1200
     top_p = torch.full((4,), 0.8, device=device)
-    _assert_nucleus(probs, top_p, top_p_threshold(probs, top_p))
-    assert top_p_threshold(probs[:0], top_p[:0]).shape == (0,)
+    _assert_nucleus(probs, top_p, top_p_threshold(probs, top_p, min_rows=0))
+    assert top_p_threshold(probs[:0], top_p[:0], min_rows=0).shape == (0,)
     with pytest.raises(ValueError, match=r"probs must be \[N, V\] fp32"):
         top_p_threshold(probs.half(), top_p)
     with pytest.raises(ValueError, match=r"top_p must be \[4\] fp32"):
