@@ -50,7 +50,9 @@ def passes_for(digit_bits: int) -> int:
     return -(-30 // digit_bits)
 
 
-@triton.jit
+# the row count varies by step: specialized on it (divisible by 16 or not) a server would
+# compile every launch again, mid-serving, the first time a step's rows are not
+@triton.jit(do_not_specialize=["num_rows"])
 def _top_p_pass_kernel(
     probs_ptr,
     top_p_ptr,

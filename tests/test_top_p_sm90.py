@@ -27,3 +27,11 @@ def test_each_pass_compiles_for_sm90_with_wide_loads(digit_bits: int) -> None:
         assert not [op for op in ops if op.startswith(("STL", "LDL"))], "spills"
         if i < passes:
             assert "LDG.E.128" in ops, ops  # the row's chunk
+
+
+def test_the_row_count_is_not_specialized() -> None:
+    # steps' row counts vary: a variant per divisibility would compile mid-serving
+    pytest.importorskip("triton")
+    from kvscale.kernels.top_p import _top_p_pass_kernel
+
+    assert [p.name for p in _top_p_pass_kernel.params if p.do_not_specialize] == ["num_rows"]
