@@ -177,6 +177,7 @@ plan_r100() {  # e93 (one H100, ~8 minutes): top-p at HEAD (a launch per pass, a
   step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
     tests/gpu/test_structured_cuda.py tests/gpu/test_memory_profile_cuda.py
   step sampler 180 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 2,3,4 \
+    --chunks 2048,4096,8192 \
     --rows 1,4,8,64,256,1024
   engine_args a-sampled a-sampled-head-1
   variant_tree e92_top_p_by_sort.patch before

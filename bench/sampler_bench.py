@@ -15,7 +15,8 @@ Settings: ``argmax`` (a greedy step: the argmax of the model-dtype logits), ``te
 compiled engines run, instead of the radix-select kernel: NOTES e92), ``every`` (top-k by a
 sort, top-p, min-p, the three penalties and 20 logprobs: what the KV pool's profile runs,
 NOTES e90). On CUDA, ``--digit-bits 2,3,4,5`` also times the top-p kernel at each of those
-widths (``threshold_bits<N>``: the softmax it needs, then the kernel).
+widths (``threshold_bits<N>``: the softmax it needs, then the kernel), and ``--chunks
+2048,4096,8192`` at each of those elements of a row per program (``threshold_chunk<N>``).
 
     python bench/sampler_bench.py [--out-dir DIR] [--rows 1,64,256,1024] [--vocab 128256]
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvscale.kernels.top_p import top_p_threshold
+from kvscale.kernels.top_p import CHUNK, DIGIT_BITS, top_p_threshold
 from kvscale.server.layers import ops
 from kvscale.server.layers.sampler import SamplingTensors, sample, top_logprobs
 from kvscale.server.sampling_params import MAX_LOGPROBS
@@ -95,9 +96,10 @@ def sampling_step(
 BY_SORT = {"top_p_sort"}  # settings run on the references, not the kernels
 
 
-def threshold_step(probs: torch.Tensor, digit_bits: int) -> torch.Tensor:
+def threshold_step(probs: torch.Tensor, digit_bits: int, chunk: int = CHUNK) -> torch.Tensor:
     """The top-p kernel alone on ``probs [R, V]`` fp32 at top_p 0.9 (at any row count)."""
-    return top_p_threshold(probs, torch.full_like(probs[:, 0], 0.9), digit_bits, min_rows=0)
+    top_p = torch.full_like(probs[:, 0], 0.9)
+    return top_p_threshold(probs, top_p, digit_bits, min_rows=0, chunk=chunk)
 
 
 def measure(
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--digit-bits", default="", help="e.g. 2,3,4,5: the top-p kernel alone")
+    ap.add_argument("--chunks", default="", help="e.g. 2048,4096,8192: the same by chunk")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -160,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         for bits in (int(b) for b in args.digit_bits.split(",") if b):
             steps[f"threshold_bits{bits}"] = lambda lg, b=bits: threshold_step(
                 torch.softmax(lg.float(), dim=-1), b
+            )
+        for size in (int(c) for c in args.chunks.split(",") if c):
+            steps[f"threshold_chunk{size}"] = lambda lg, c=size: threshold_step(
+                torch.softmax(lg.float(), dim=-1), DIGIT_BITS, c
             )
         for name, step in steps.items():
             # the engine's kernels on CUDA (argmax, top-p), but for the sort's settings

@@ -130,15 +130,20 @@ def top_p_threshold(
     top_p: torch.Tensor,
     digit_bits: int = DIGIT_BITS,
     min_rows: int = MIN_ROWS,
+    chunk: int = CHUNK,
 ) -> torch.Tensor:
     """Each row's nucleus threshold ``tau [N]`` fp32 (see module doc); ``digit_bits``:
     bits fixed per pass, one of ``DIGIT_WIDTHS``; below ``min_rows`` rows the reference's
-    sort instead (the same threshold)."""
+    sort instead (the same threshold); ``chunk``: elements of a row per program, a power
+    of two of at least one loop iteration's."""
     _check(probs, top_p)
     if digit_bits not in DIGIT_WIDTHS:
         raise ValueError(
             f"top_p_threshold: digit_bits must be one of {DIGIT_WIDTHS}, got {digit_bits}"
         )
+    block = block_for(digit_bits)
+    if chunk < block or chunk & (chunk - 1):
+        raise ValueError(f"top_p_threshold: chunk must be a power of two >= {block}, got {chunk}")
     n, vocab = probs.shape
     if n < min_rows:
         return top_p_threshold_ref(probs, top_p)
@@ -147,8 +152,8 @@ def top_p_threshold(
     if probs.stride(1) != 1:
         probs = probs.contiguous()
     top_p = top_p.contiguous()
-    passes, block = passes_for(digit_bits), block_for(digit_bits)
-    num_chunks = triton.cdiv(vocab, CHUNK)
+    passes = passes_for(digit_bits)
+    num_chunks = triton.cdiv(vocab, chunk)
     dev = probs.device
     masses = torch.empty(2, n, num_chunks, 1 << digit_bits, dtype=torch.float32, device=dev)
     prefix = torch.empty(passes + 1, n, dtype=torch.int32, device=dev)  # after each pass
@@ -167,7 +172,7 @@ def top_p_threshold(
             PASS=i,
             PASSES=passes,
             DIGIT_BITS=digit_bits,
-            CHUNK=CHUNK,
+            CHUNK=chunk,
             BLOCK=block,
             CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
             num_warps=warps_for(digit_bits),

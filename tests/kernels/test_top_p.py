@@ -65,6 +65,15 @@ def test_every_digit_width(digit_bits: int, device: torch.device) -> None:
     _assert_nucleus(probs, top_p, got)
 
 
+@pytest.mark.parametrize("chunk", [1024, 2048])
+@pytest.mark.parametrize("scale", [0.3, 12.0])
+def test_several_chunks_a_row(chunk: int, scale: float, device: torch.device) -> None:
+    top_p = torch.tensor([0.0, 0.5, 0.9, 0.999, 1.0, 0.7, 0.3, 0.95], device=device)
+    probs = _probs(len(top_p), 3000, scale, device)  # 3 or 2 chunks, the last partial
+    got = top_p_threshold(probs, top_p, min_rows=0, chunk=chunk)
+    _assert_nucleus(probs, top_p, got)
+
+
 def test_ties_and_zeros(device: torch.device) -> None:
     quarter = torch.tensor([0.25, 0.0, 0.25, 0.25, 0.0, 0.25], device=device)
     skewed = torch.tensor([0.1, 0.4, 0.0, 0.2, 0.2, 0.1], device=device)
@@ -110,3 +119,5 @@ def test_strided_rows_and_errors(device: torch.device) -> None:
         top_p_threshold(probs, top_p[:2])
     with pytest.raises(ValueError, match=r"digit_bits must be one of \(2, 3, 4, 5\), got 6"):
         top_p_threshold(probs, top_p, 6)
+    with pytest.raises(ValueError, match="chunk must be a power of two >= 1024, got 3000"):
+        top_p_threshold(probs, top_p, chunk=3000)
