@@ -160,7 +160,8 @@ def sampler_profile_step(
     """``profile_step`` whose last ``rows`` tokens (at most ``num_tokens``) each sample
     with every transform (temperature, top-k, top-p, min-p, all three penalties) and
     ``logprobs`` top logprobs: the most memory a step's sampling takes (``[rows, V]``
-    fp32 logits, their copy for logprobs, the penalties' mask and counts, two sorts).
+    fp32 logits, their copy for logprobs, the penalties' mask and counts, top-k's sort of
+    whole rows; top-p sorts too where its kernel does not run).
     The penalties see no prompt or output token (``prompt_ids``/``output_ids`` hold only
     the padding id ``vocab_size``)."""
     step = profile_step(num_tokens, block_size)

@@ -257,8 +257,7 @@ class Worker:
             config.max_num_batched_tokens, eng.gpu_memory_utilization
         )
         self.num_kv_blocks = parallel.min_int(num_blocks, device)  # every rank holds as many
-        self.kv_pool.allocate(self.num_kv_blocks)
-        self.kv_pool.bind(self.attn_layers)
+        self.resize_kv_pool(self.num_kv_blocks)
         log.info(
             "KV cache: %d blocks of %d tokens, %s (%.2f GiB)",
             self.num_kv_blocks,
@@ -387,8 +386,7 @@ class Worker:
         step = sampler_profile_step(
             max_tokens, self.block_size, eng.max_num_seqs * per_seq, self.vocab_size, MAX_LOGPROBS
         )
-        self.kv_pool.allocate(-(-max_tokens // self.block_size))
-        self.kv_pool.bind(self.attn_layers)
+        self.resize_kv_pool(-(-max_tokens // self.block_size))
         rng = self.generator.get_state()  # the profile's draws leave the seeded stream as it was
         with torch.inference_mode():
             dev = to_device(step.arrays, self.device)
@@ -397,9 +395,14 @@ class Worker:
             torch.cuda.synchronize(self.device)
         self.generator.set_state(rng)
         tokens = self.last_tokens[: step.sampling.num_rows].clone()
-        self.kv_pool.allocate(0)
-        self.kv_pool.bind(self.attn_layers)
+        self.resize_kv_pool(0)
         return tokens
+
+    def resize_kv_pool(self, num_blocks: int) -> None:
+        """The KV pool at ``num_blocks`` blocks (its old tensors freed), bound to every
+        attention layer."""
+        self.kv_pool.allocate(num_blocks)
+        self.kv_pool.bind(self.attn_layers)
 
     def _init_kv_scales(self) -> None:
         """An FP8 cache's scales: the checkpoint's, else calibrated on a fixed prompt."""

@@ -45,12 +45,10 @@ def test_the_profile_peak_includes_a_full_batch_of_sampling(llama_ckpt: Path) ->
 
     def forward_only() -> None:
         step = profile_step(TOKENS, worker.block_size)
-        worker.kv_pool.allocate(-(-TOKENS // worker.block_size))
-        worker.kv_pool.bind(worker.attn_layers)
+        worker.resize_kv_pool(-(-TOKENS // worker.block_size))
         with torch.inference_mode():
             worker._forward_eager(step, to_device(step.arrays, worker.device))
-        worker.kv_pool.allocate(0)  # as profile_memory leaves it
-        worker.kv_pool.bind(worker.attn_layers)
+        worker.resize_kv_pool(0)  # as profile_memory leaves it
 
     old = _peak(forward_only)
     new = _peak(lambda: worker.profile_memory(TOKENS))
