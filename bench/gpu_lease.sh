@@ -166,24 +166,11 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r100() {  # e93 (one H100, ~8 minutes): top-p at HEAD (a launch per pass, a program per
-  # 4,096-token chunk, the chunk loaded in the sums' layout; a sort below 8 rows). Its tests
-  # natively and the sampled GPU tests; the sampler by row count and width with the sort
-  # beside; A greedy and sampled at HEAD and with the sort before
-  # (bench/patches/e92_top_p_by_sort.patch), HEAD / before / HEAD
+plan_r101() {  # e94 (one H100, ~8 minutes): kernels/tile_mm.py's tests natively, then its
+  # tiles against cuBLAS at the 8B layers' decode rows, bf16 and FP8 (bench/tile_mm_bench.py)
   facts
-  ckpt_write
-  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_top_p.py
-  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py tests/gpu/test_spec_cuda.py \
-    tests/gpu/test_structured_cuda.py tests/gpu/test_memory_profile_cuda.py
-  step sampler 180 python3 bench/sampler_bench.py --out-dir "$RES" --digit-bits 2,3,4 \
-    --chunks 2048,4096,8192 \
-    --rows 1,4,8,64,256,1024
-  engine_args a-sampled a-sampled-head-1
-  variant_tree e92_top_p_by_sort.patch before
-  engine_args a-sampled a-sampled-before-1
-  install_tree . head
-  engine_args a-sampled a-sampled-head-2
+  step tests-kernels 180 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_tile_mm.py
+  step tile-mm 420 python3 bench/tile_mm_bench.py --out-dir "$RES" --rows 64,128,160,248
 }
 
 case "$1" in
