@@ -166,11 +166,11 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r101() {  # e94 (one H100, ~8 minutes): kernels/tile_mm.py's tests natively, then its
-  # tiles against cuBLAS at the 8B layers' decode rows, bf16 and FP8 (bench/tile_mm_bench.py)
+plan_r102() {  # e95 (one H100, ~2 minutes): kernels/tile_mm.py's 16-row tiles against
+  # cuBLAS at 1-64 rows, FP8 and bf16 (bench/tile_mm_bench.py --configs small)
   facts
-  step tests-kernels 180 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_tile_mm.py
-  step tile-mm 420 python3 bench/tile_mm_bench.py --out-dir "$RES" --rows 64,128,160,248
+  step tile-mm-small 300 python3 bench/tile_mm_bench.py --out-dir "$RES" --rows 1,4,16,32,64 \
+    --configs small --name tile_mm_small.json
 }
 
 case "$1" in

@@ -11,6 +11,7 @@ and a summary: each case's best config, and one decode step's GEMMs (32 layers a
 head) with cuBLAS and with the best tile of each layer.
 
     python bench/tile_mm_bench.py [--out-dir DIR] [--rows 64,128,160,248] [--dtypes bf16,fp8]
+        [--configs default|small] [--name tile_mm_bench.json]
 """
 
 from __future__ import annotations
@@ -30,22 +31,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm_rows  # bench/ is not a package
 
 NUM_LAYERS = 32
-CONFIGS = tuple(
-    TileConfig(m, n, kb, w, s, tma)
-    for tma in (False, True)
-    for m, n, kb, w, s in (
-        (64, 64, 128, 4, 4),
-        (64, 128, 128, 4, 4),
-        (64, 256, 128, 4, 3),
-        (128, 64, 128, 4, 4),
-        (128, 128, 128, 4, 4),
-        (128, 128, 128, 8, 4),
-        (128, 128, 256, 8, 3),
-        (128, 256, 128, 8, 3),
-        (256, 64, 128, 8, 3),
-        (256, 128, 128, 8, 3),
-    )
-)
+CONFIGS = {
+    # decode's larger batches (A: 248 rows, B: ~160, D c=64: ~64)
+    "default": tuple(
+        TileConfig(m, n, kb, w, s, tma)
+        for tma in (False, True)
+        for m, n, kb, w, s in (
+            (64, 64, 128, 4, 4),
+            (64, 128, 128, 4, 4),
+            (64, 256, 128, 4, 3),
+            (128, 64, 128, 4, 4),
+            (128, 128, 128, 4, 4),
+            (128, 128, 128, 8, 4),
+            (128, 128, 256, 8, 3),
+            (128, 256, 128, 8, 3),
+            (256, 64, 128, 8, 3),
+            (256, 128, 128, 8, 3),
+        )
+    ),
+    # 1-64 rows, where the weights' read is all there is: 16-row tiles (mma.sync, the
+    # operands in fp16 for FP8), narrow columns so that small layers fill the SMs
+    "small": tuple(
+        TileConfig(m, n, kb, w, s, tma)
+        for m, n, kb, w, s, tma in (
+            (16, 32, 128, 4, 4, False),
+            (16, 32, 256, 2, 4, False),
+            (16, 64, 128, 4, 4, False),
+            (16, 64, 256, 4, 3, False),
+            (16, 64, 256, 4, 4, False),
+            (16, 128, 128, 4, 4, False),
+            (16, 128, 256, 4, 3, False),
+            (32, 64, 128, 4, 4, False),
+            (64, 64, 128, 4, 4, False),
+            (64, 128, 128, 4, 4, False),
+            (16, 64, 128, 4, 4, True),
+            (16, 64, 256, 4, 4, True),
+            (16, 128, 256, 4, 3, True),
+            (64, 64, 128, 4, 4, True),
+        )
+    ),
+}
 
 
 def operands(
@@ -112,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=Path("."))
     ap.add_argument("--rows", default="64,128,160,248")
     ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--configs", choices=tuple(CONFIGS), default="default")
+    ap.add_argument("--name", default="tile_mm_bench.json")
     args = ap.parse_args(argv)
     meta = gemm_rows.run_meta(bench="tile_mm")
     import triton
@@ -129,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 x, xs, ws = operands(dtype, n, k, m, copies)
                 ref = reference(x, xs, *ws[0])
                 variants = {"cublas": cublas(x, xs)}
-                variants |= {c.name: tiled(x, xs, c) for c in CONFIGS if fits(c)}
+                variants |= {c.name: tiled(x, xs, c) for c in CONFIGS[args.configs] if fits(c)}
                 base = None
                 for name, fn in variants.items():
                     try:
@@ -159,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in steps:
         print(f"step GEMMs {s['dtype']} M={s['m']}: cuBLAS {s['cublas']:.3f} ms, best tiles "
               f"{s['best']:.3f} ms (x{s['ratio']:.3f})")  # fmt: skip
-    gemm_rows.write_results(args.out_dir, "tile_mm_bench.json", meta,
+    gemm_rows.write_results(args.out_dir, args.name, meta,
                             {"rows": results, "steps": steps})  # fmt: skip
     return 0
 
