@@ -131,6 +131,18 @@ def test_fp8_linear_matches_the_dequantized_product() -> None:
     assert rel < 0.05  # FP8's rounding of both operands
 
 
+def test_tiles_only_on_cuda_at_few_rows_with_the_kernels_routed() -> None:
+    from kvscale.server.layers import ops
+    from kvscale.server.quantization.fp8 import tile_config, uses_tiles
+
+    # the CPU keeps torch's op whatever the routing (the rule's GPU side:
+    # tests/gpu/test_engine_cuda.py, which checks the kernels launched)
+    with ops.kernels(True):
+        assert not uses_tiles(torch.zeros(1, 64, dtype=FP8))
+    assert tile_config(28672).block_n == 128 and tile_config(6144).block_n == 64
+    assert all(tile_config(n).block_m == 16 and tile_config(n).tma for n in (1024, 28672))
+
+
 def _with_quant_config(src: Path, dst: Path, patch: dict) -> Path:
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())

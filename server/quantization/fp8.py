@@ -6,8 +6,10 @@ merged q/k/v or gate/up shards keep their own scales). Activations are quantized
 token (dynamic: ``absmax / 448`` per row) or with the checkpoint's static per-tensor
 ``input_scale``. The GEMM is ``torch._scaled_mm`` with row-wise scales (per-token x
 per-channel) and fast accumulation (``FAST_ACCUM``), which cuBLASLt runs on Hopper and
-torch runs on the CPU: one code path for both. Dense inputs of other dtypes are never
-silently upcast: ``apply`` returns the input's dtype.
+torch runs on the CPU: one code path for both; on CUDA, with the ops routed to the
+kernels, products of at most ``TILE_MAX_ROWS`` rows run ``kvscale.kernels.tile_mm``'s
+16-row tiles instead (``uses_tiles``). Dense inputs of other dtypes are never silently
+upcast: ``apply`` returns the input's dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from kvscale.kernels.fp8 import FP8_E4M3 as FP8
 from kvscale.kernels.fp8 import FP8_MAX, quantize_groups_ref
 from kvscale.kernels.fp8_gemm import w8a8_block_matmul, w8a8_block_matmul_ref
+from kvscale.kernels.tile_mm import TileConfig, tile_mm
 from kvscale.server.config import CheckpointError
 from kvscale.server.layers import ops
 from kvscale.server.quantization.base import Fp8Activation, LinearMethod, set_weight_attrs
@@ -28,6 +31,35 @@ from kvscale.server.quantization.base import Fp8Activation, LinearMethod, set_we
 # at K = 14,336); vLLM's Hopper FP8 GEMMs (CUTLASS, its sm90 ``FP8FastAccum`` schedules)
 # accumulate this way. Ignored on the CPU.
 FAST_ACCUM = True
+
+# cuBLAS's row-wise FP8 kernels take 11-16 us for qkv and o at any row count up to 248
+# and move gate_up's and down's weights at 49-70% of copy at 1-16 rows; 16-row tiles
+# (mma on FP8 converted to fp16, fp32 sums: exact products) by the TMA took the 8B
+# layers' GEMMs 0.81-0.86x cuBLAS's time at 1-16 rows on an H100, 0.97x at 32 and 1.26x
+# at 64 (r102, bench/tile_mm_bench.py --configs small; NOTES e95).
+TILE_MAX_ROWS = 16
+# 128 columns a tile for gate_up-sized layers (43.4 against 49.9 us at one row), 64 for
+# the rest, so that qkv's, o's and down's few columns still fill the SMs
+TILE_WIDE_N = 16384
+
+
+def tile_config(n: int) -> TileConfig:
+    """The tiles of a product with ``n`` output columns at up to ``TILE_MAX_ROWS`` rows."""
+    if n >= TILE_WIDE_N:
+        return TileConfig(16, 128, 256, num_warps=4, num_stages=3, tma=True)
+    return TileConfig(16, 64, 256, num_warps=4, num_stages=4, tma=True)
+
+
+def uses_tiles(x: torch.Tensor) -> bool:
+    """Whether the FP8 codes ``x [T, K]`` go through the tiles: CUDA, the ops routed to
+    the kernels, at most ``TILE_MAX_ROWS`` rows, and not inside a Dynamo trace (traced
+    and compiled graphs keep cuBLAS's op)."""
+    return (
+        x.is_cuda
+        and 0 < x.shape[0] <= TILE_MAX_ROWS
+        and ops.routed_to_kernels()
+        and not torch.compiler.is_compiling()
+    )
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,14 +103,17 @@ def fp8_linear(
     static activation scale; None quantizes each token on the fly, or takes ``x``
     quantized so (an ``Fp8Activation [T, K]`` of one group a row)."""
     xq, xs, shape, dtype = fp8_input(x, None, input_scale)
-    y = torch._scaled_mm(
-        xq,
-        weight.t(),
-        scale_a=xs,
-        scale_b=weight_scale.view(1, -1),
-        out_dtype=dtype,
-        use_fast_accum=FAST_ACCUM,
-    )
+    if uses_tiles(xq):
+        y = tile_mm(xq, weight, xs, weight_scale, dtype, tile_config(weight.shape[0]))
+    else:
+        y = torch._scaled_mm(
+            xq,
+            weight.t(),
+            scale_a=xs,
+            scale_b=weight_scale.view(1, -1),
+            out_dtype=dtype,
+            use_fast_accum=FAST_ACCUM,
+        )
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], weight.shape[0])

@@ -200,6 +200,42 @@ def test_fp8_linear_on_cuda_matches_the_dequantized_product() -> None:
         assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2  # bf16 output rounding
 
 
+def test_fp8_linear_takes_the_tiles_at_few_rows_in_and_out_of_graphs() -> None:
+    """With the ops routed to the kernels, FP8 products of at most ``TILE_MAX_ROWS`` rows
+    run ``tile_mm``'s tiles (by the TMA), more rows cuBLAS's; both match the dequantized
+    product, and a CUDA graph that captured the tiles replays on new inputs as eager."""
+    from kvscale.server.layers import ops
+    from kvscale.server.quantization.fp8 import TILE_MAX_ROWS, fp8_linear, quantize_rows
+
+    torch.manual_seed(0)
+    for n in (1024, 28672):  # narrow and wide tiles
+        w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16)
+        wq, ws = quantize_rows(w)
+        with ops.kernels(True):
+            for m in (1, 5, TILE_MAX_ROWS, TILE_MAX_ROWS + 1):
+                x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+                with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]
+                ) as prof:
+                    y = fp8_linear(x, wq, ws.view(-1), None)
+                    torch.cuda.synchronize()
+                names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+                tiled = any("tile_mm" in name for name in names)
+                assert tiled == (m <= TILE_MAX_ROWS), (m, names)
+                xq, xs = quantize_rows(x)
+                ref = (xq.float() * xs) @ (wq.float() * ws).T
+                assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+            static = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+            fp8_linear(static, wq, ws.view(-1), None)  # compiled before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fp8_linear(static, wq, ws.view(-1), None)
+            for _ in range(2):
+                static.copy_(torch.randn_like(static))
+                graph.replay()
+                assert torch.equal(out, fp8_linear(static, wq, ws.view(-1), None))
+
+
 def _token_logprobs(path: Path, **kw: object) -> list[list[float]]:
     """Greedy tokens' own logprobs (``logprobs=0``), per prompt."""
     llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **kw)
