@@ -166,11 +166,19 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r102() {  # e95 (one H100, ~2 minutes): kernels/tile_mm.py's 16-row tiles against
-  # cuBLAS at 1-64 rows, FP8 and bf16 (bench/tile_mm_bench.py --configs small)
+plan_r103() {  # e96 (one H100, ~8 minutes): FP8 products of up to 16 rows on the tiles.
+  # The engine's GPU tests (the new tiles test, the FP8 engine tests); C bf16, then C with
+  # FP8 weights at HEAD / with cuBLAS at every row (bench/patches/e95_fp8_no_tiles.patch) /
+  # HEAD, an engine a run
   facts
-  step tile-mm-small 300 python3 bench/tile_mm_bench.py --out-dir "$RES" --rows 1,4,16,32,64 \
-    --configs small --name tile_mm_small.json
+  ckpt_write
+  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py
+  c_args c-bf16
+  c_args c-fp8-head-1 quantization=fp8
+  variant_tree e95_fp8_no_tiles.patch before
+  c_args c-fp8-before-1 quantization=fp8
+  install_tree . head
+  c_args c-fp8-head-2 quantization=fp8
 }
 
 case "$1" in
