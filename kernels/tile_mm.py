@@ -195,18 +195,26 @@ def tile_mm(
     w_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: TileConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[M, N]`` (see the module docstring); ``out_dtype`` defaults to ``x``'s (FP8
-    operands need one); ``config`` to ``DEFAULT_CONFIG`` (``INTERPRETER_CONFIG``'s small
-    tiles when interpreting)."""
+    """``[M, N]`` (see the module docstring), written into ``out`` where given (``[M,
+    N]``, unit column stride: a CUDA graph's static buffer); ``out_dtype`` defaults to
+    ``out``'s or ``x``'s (FP8 operands need one); ``config`` to ``DEFAULT_CONFIG``
+    (``INTERPRETER_CONFIG``'s small tiles when interpreting)."""
     _check(x, w, x_scale, w_scale)
+    if out_dtype is None and out is not None:
+        out_dtype = out.dtype
     if out_dtype is None:
         if x.dtype == FP8_E4M3:
             raise ValueError("FP8 operands need an out_dtype (bf16 or fp16)")
         out_dtype = x.dtype
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != out_dtype or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [{m}, {n}] {out_dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
     if m == 0 or n == 0:
         return out
     if k == 0:

@@ -115,3 +115,13 @@ def test_logits_written_into_a_shared_buffer_are_the_logits(worker: Worker) -> N
     assert got.data_ptr() == buf.data_ptr() and got.shape == (3, want.shape[1])
     torch.testing.assert_close(buf[:3], want[:3], rtol=0, atol=0)
     assert buf[3:].isnan().all()  # rows past the graph's size untouched
+
+
+def test_the_head_keeps_torchs_gemm_on_the_cpu() -> None:
+    # tiles only on CUDA (their choice and the kernels launched: tests/gpu/test_engine_cuda.py)
+    from kvscale.server.layers import ops
+    from kvscale.server.layers.embedding import HEAD_TILES_FEW, head_tiles
+
+    w = torch.zeros(32, 8, dtype=torch.bfloat16)
+    with ops.kernels(True):
+        assert head_tiles(torch.zeros(1, 8, dtype=torch.bfloat16), w) is None

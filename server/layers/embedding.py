@@ -13,7 +13,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvscale.kernels.tile_mm import TileConfig, tile_mm
+from kvscale.server.layers import ops
 from kvscale.server.parallel import ParallelState, padded_vocab_size
+
+# Heads of up to this many rows run kernels/tile_mm's tiles on CUDA: at the 8B head
+# (128,256 x 4,096 bf16) on an H100 they took 335 against cuBLAS's 365 us at one row,
+# 343 / 367 at 16 and 354-360 / 369-378 at 32-64 rows; at 128 cuBLAS is ahead (r101,
+# r102, bench/tile_mm_bench.py; NOTES e95, e97).
+HEAD_TILE_MAX_ROWS = 64
+HEAD_TILES_FEW = TileConfig(16, 64, 256, num_warps=4, num_stages=4)  # up to 16 rows
+HEAD_TILES = TileConfig(64, 64, 128, num_warps=4, num_stages=4)
+
+
+def head_tiles(h: torch.Tensor, weight: torch.Tensor) -> TileConfig | None:
+    """The tiles for the head's product of ``h [N, dim]`` and ``weight``, or None for
+    torch's: 16-bit operands on CUDA, the ops routed to the kernels, at most
+    ``HEAD_TILE_MAX_ROWS`` rows, outside Dynamo traces."""
+    rows = h.shape[0]
+    if not (
+        h.is_cuda
+        and 0 < rows <= HEAD_TILE_MAX_ROWS
+        and h.dtype == weight.dtype
+        and h.dtype in (torch.bfloat16, torch.float16)
+        and ops.routed_to_kernels()
+        and not torch.compiler.is_compiling()
+    ):
+        return None
+    return HEAD_TILES_FEW if rows <= 16 else HEAD_TILES
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -66,9 +93,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         ``out`` (``[N, vocab]``, contiguous) where given: a CUDA graph's static buffer,
         which graphs of several sizes share (their logits are the step's largest buffer:
         1,024 rows x 128,256 tokens in bf16 are 263 MB)."""
+        h = hidden.reshape(-1, hidden.shape[-1])
+        tiles = head_tiles(h, self.weight)
         if out is not None and self.parallel.world_size == 1:  # no padding: the GEMM writes
-            return torch.mm(hidden.reshape(-1, hidden.shape[-1]), self.weight.t(), out=out)
-        logits = F.linear(hidden, self.weight)
+            if tiles is not None:
+                return tile_mm(h, self.weight, config=tiles, out=out)
+            return torch.mm(h, self.weight.t(), out=out)
+        if tiles is not None:
+            logits = tile_mm(h, self.weight, config=tiles).reshape(*hidden.shape[:-1], -1)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.parallel.world_size == 1:
             logits = logits[..., : self.num_embeddings]
         else:

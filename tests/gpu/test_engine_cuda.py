@@ -236,6 +236,35 @@ def test_fp8_linear_takes_the_tiles_at_few_rows_in_and_out_of_graphs() -> None:
                 assert torch.equal(out, fp8_linear(static, wq, ws.view(-1), None))
 
 
+def test_the_head_takes_the_tiles_at_few_rows() -> None:
+    """With the ops routed to the kernels, heads of at most ``HEAD_TILE_MAX_ROWS`` rows run
+    ``tile_mm``, into a graph's buffer or not; more rows torch's GEMM; the logits match."""
+    import torch.nn.functional as F
+
+    from kvscale.server.layers import ops
+    from kvscale.server.layers.embedding import HEAD_TILE_MAX_ROWS, ParallelLMHead
+    from kvscale.server.parallel import ParallelState
+
+    torch.manual_seed(0)
+    head = ParallelLMHead(32000, 4096, ParallelState()).cuda().to(torch.bfloat16)
+    head.weight.data.normal_(0, 4096**-0.5)
+    buffer = torch.empty(HEAD_TILE_MAX_ROWS + 1, 32000, device="cuda", dtype=torch.bfloat16)
+    with ops.kernels(True):
+        for m in (1, 16, 17, HEAD_TILE_MAX_ROWS, HEAD_TILE_MAX_ROWS + 1):
+            h = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(h.float(), head.weight.float())
+            for out in (None, buffer[:m]):
+                with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]
+                ) as prof:
+                    logits = head.compute_logits(h, out)
+                    torch.cuda.synchronize()
+                names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+                assert any("tile_mm" in n for n in names) == (m <= HEAD_TILE_MAX_ROWS), names
+                assert out is None or logits.data_ptr() == out.data_ptr()
+                assert ((logits.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def _token_logprobs(path: Path, **kw: object) -> list[list[float]]:
     """Greedy tokens' own logprobs (``logprobs=0``), per prompt."""
     llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **kw)

@@ -67,6 +67,21 @@ def test_strided_rows_and_empty_inputs(device, config) -> None:
     assert empty_k.shape == (9, 40) and not empty_k.float().abs().sum()
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_writes_into_a_given_buffer(device, config) -> None:
+    x = torch.randn(6, 64, device=device).half()
+    w = torch.randn(40, 64, device=device).half()
+    buffer = torch.full((8, 40), 7.0, device=device).half()
+    out = tile_mm(x, w, config=config, out=buffer[:6])
+    assert out.data_ptr() == buffer.data_ptr()
+    assert rel_error(buffer[:6], x.float() @ w.float().t()) < 4e-3
+    assert (buffer[6:] == 7).all()  # rows past M untouched
+    with pytest.raises(ValueError, match=r"out must be \[6, 40\]"):
+        tile_mm(x, w, config=config, out=buffer[:5])
+    with pytest.raises(ValueError, match="unit column stride"):
+        tile_mm(x, w, config=config, out=torch.empty(40, 6, device=device).half().t())
+
+
 def test_tma_rule(device) -> None:
     x = torch.randn(8, 64, device=device).half()
     assert tma_fits(x, x)
