@@ -166,19 +166,6 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r104() {  # e97 (one H100, ~6 minutes): the head on the tiles at up to 64 rows. The
-  # engine's GPU tests (the new head test); C bf16 at HEAD / with torch's GEMM for the head
-  # (bench/patches/e97_head_no_tiles.patch) / HEAD, an engine a run
-  facts
-  ckpt_write
-  step tests-gpu 300 "${PT[@]}" tests/gpu/test_engine_cuda.py
-  c_args c-bf16-head-1
-  variant_tree e97_head_no_tiles.patch before
-  c_args c-bf16-before-1
-  install_tree . head
-  c_args c-bf16-head-2
-}
-
 case "$1" in
   start)
     rm -f "$RES/finished"
