@@ -62,6 +62,28 @@ INTERPRETER_CONFIG = TileConfig(16, 32, block_k_bytes=64, num_warps=4, num_stage
 DEFAULT_CONFIG = TileConfig(128, 128, num_warps=8, num_stages=4)
 
 
+@triton.jit
+def _tile_of_program(M, BLOCK_M: tl.constexpr):
+    # M tiles first: the programs that share one tile of w run side by side
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    return pid % num_m, pid // num_m
+
+
+@triton.jit
+def _scale_and_store(
+    acc, out_ptr, x_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_om, SCALED: tl.constexpr
+):
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if SCALED:
+        x_s = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
+        w_s = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+        acc = acc * x_s[:, None] * w_s[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _tile_mm_kernel(
     x_ptr,
@@ -82,10 +104,7 @@ def _tile_mm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
+    pid_m, pid_n = _tile_of_program(M, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -105,12 +124,9 @@ def _tile_mm_kernel(
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
-    if SCALED:
-        x_s = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
-        w_s = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
-        acc = acc * x_s[:, None] * w_s[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _scale_and_store(
+        acc, out_ptr, x_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_om, SCALED
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -132,10 +148,7 @@ def _tile_mm_tma_kernel(
 ):
     # as _tile_mm_kernel, its tiles fetched by the TMA (out-of-range rows and columns
     # read as zeros)
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
+    pid_m, pid_n = _tile_of_program(M, BLOCK_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -145,14 +158,9 @@ def _tile_mm_tma_kernel(
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    if SCALED:
-        x_s = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
-        w_s = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
-        acc = acc * x_s[:, None] * w_s[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _scale_and_store(
+        acc, out_ptr, x_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_om, SCALED
+    )
 
 
 def _check(
