@@ -28,19 +28,11 @@ HEAD_TILES = TileConfig(64, 64, 128, num_warps=4, num_stages=4)
 
 def head_tiles(h: torch.Tensor, weight: torch.Tensor) -> TileConfig | None:
     """The tiles for the head's product of ``h [N, dim]`` and ``weight``, or None for
-    torch's: 16-bit operands on CUDA, the ops routed to the kernels, at most
-    ``HEAD_TILE_MAX_ROWS`` rows, outside Dynamo traces."""
-    rows = h.shape[0]
-    if not (
-        h.is_cuda
-        and 0 < rows <= HEAD_TILE_MAX_ROWS
-        and h.dtype == weight.dtype
-        and h.dtype in (torch.bfloat16, torch.float16)
-        and ops.routed_to_kernels()
-        and not torch.compiler.is_compiling()
-    ):
+    torch's: 16-bit operands where ``ops.few_rows_on_kernels`` at ``HEAD_TILE_MAX_ROWS``."""
+    same_16_bit = h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float16)
+    if not (same_16_bit and ops.few_rows_on_kernels(h, HEAD_TILE_MAX_ROWS)):
         return None
-    return HEAD_TILES_FEW if rows <= 16 else HEAD_TILES
+    return HEAD_TILES_FEW if h.shape[0] <= 16 else HEAD_TILES
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+
 from kvscale.kernels import activation, fp8, rmsnorm, rotary, top_p, w4a16
 from kvscale.kernels import argmax as argmax_kernel
 
@@ -59,6 +61,16 @@ def use_kernels(enabled: bool) -> bool:
 def routed_to_kernels() -> bool:
     """Whether the operators above are the kernels now (else the references)."""
     return _kernels
+
+
+def few_rows_on_kernels(x: torch.Tensor, max_rows: int) -> bool:
+    """Whether ``x [T, ...]`` is where the GEMM kernels for few rows run
+    (``kvscale.kernels.tile_mm``): on CUDA, 1 to ``max_rows`` rows, the operators routed
+    to the kernels, and outside a Dynamo trace (traced and compiled graphs keep torch's
+    GEMMs)."""
+    return (
+        x.is_cuda and 0 < x.shape[0] <= max_rows and _kernels and not torch.compiler.is_compiling()
+    )
 
 
 @contextlib.contextmanager

@@ -51,15 +51,9 @@ def tile_config(n: int) -> TileConfig:
 
 
 def uses_tiles(x: torch.Tensor) -> bool:
-    """Whether the FP8 codes ``x [T, K]`` go through the tiles: CUDA, the ops routed to
-    the kernels, at most ``TILE_MAX_ROWS`` rows, and not inside a Dynamo trace (traced
-    and compiled graphs keep cuBLAS's op)."""
-    return (
-        x.is_cuda
-        and 0 < x.shape[0] <= TILE_MAX_ROWS
-        and ops.routed_to_kernels()
-        and not torch.compiler.is_compiling()
-    )
+    """Whether the FP8 codes ``x [T, K]`` go through the tiles (``ops.few_rows_on_kernels``
+    at ``TILE_MAX_ROWS``)."""
+    return ops.few_rows_on_kernels(x, TILE_MAX_ROWS)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
