@@ -120,7 +120,7 @@ def test_logits_written_into_a_shared_buffer_are_the_logits(worker: Worker) -> N
 def test_the_head_keeps_torchs_gemm_on_the_cpu() -> None:
     # tiles only on CUDA (their choice and the kernels launched: tests/gpu/test_engine_cuda.py)
     from kvscale.server.layers import ops
-    from kvscale.server.layers.embedding import HEAD_TILES_FEW, head_tiles
+    from kvscale.server.layers.embedding import head_tiles
 
     w = torch.zeros(32, 8, dtype=torch.bfloat16)
     with ops.kernels(True):
