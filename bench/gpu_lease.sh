@@ -166,16 +166,6 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r105() {  # the GPU tests that r103 and r104 did not run, at HEAD (the FP8 tiles and
-  # the head's on every CUDA engine's steps of up to 16 / 64 rows): speculation's greedy
-  # identity, drafts, piecewise graphs, int4, structured output, the defaults, the profile
-  facts
-  step tests-gpu 200 "${PT[@]}" tests/gpu/test_spec_cuda.py tests/gpu/test_draft_cuda.py \
-    tests/gpu/test_piecewise_cuda.py tests/gpu/test_int4_cuda.py \
-    tests/gpu/test_structured_cuda.py tests/gpu/test_batch_defaults_cuda.py \
-    tests/gpu/test_memory_profile_cuda.py
-}
-
 case "$1" in
   start)
     rm -f "$RES/finished"
