@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,12 +91,20 @@ def operands(
     return xq, xs, [rows(w) for w in ws]
 
 
-def reference(x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, s: torch.Tensor | None):
+def reference(
+    x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, s: torch.Tensor | None
+) -> torch.Tensor:
+    """The fp32 product of the operands, scaled by row and channel where given."""
     y = x.float() @ w.float().t()
     return y if xs is None else y * xs[:, None] * s[None, :]
 
 
-def cublas(x: torch.Tensor, xs: torch.Tensor | None):
+Call = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor]
+
+
+def cublas(x: torch.Tensor, xs: torch.Tensor | None) -> Call:
+    """cuBLAS's product of ``x`` and a weight copy ``(w, channel scales or None)``, as the
+    engine calls it (``F.linear``; ``torch._scaled_mm`` row-wise, fast accumulation)."""
     if xs is None:
         return lambda _x, ws: F.linear(x, ws[0])
     x_s = xs.view(-1, 1)
@@ -105,7 +114,8 @@ def cublas(x: torch.Tensor, xs: torch.Tensor | None):
     )  # fmt: skip
 
 
-def tiled(x: torch.Tensor, xs: torch.Tensor | None, cfg: TileConfig):
+def tiled(x: torch.Tensor, xs: torch.Tensor | None, cfg: TileConfig) -> Call:
+    """``tile_mm``'s product of the same operands with ``cfg``."""
     out = None if xs is None else torch.bfloat16
     return lambda _x, ws: tile_mm(x, ws[0], xs, ws[1], out_dtype=out, config=cfg)
 
