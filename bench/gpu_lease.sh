@@ -178,6 +178,14 @@ plan_r106() {  # e98 (one H100, ~11 minutes): issue 23's comparisons with the ti
   bench serve 300 serve --concurrency 1,16,64,256
 }
 
+plan_r107() {  # e99 (one H100, ~4 minutes): kernels/w4a16_tiles.py natively (its inline-PTX
+  # unpacking runs only on a GPU), then its tiles against tinygemm and the W4A16 kernels at
+  # the 8B layers' 1, 4 and 16 rows (bench/int4_tinygemm.py --tiles)
+  facts
+  step tests-kernels 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16_tiles.py
+  step int4-tiles 300 python3 bench/int4_tinygemm.py --out-dir "$RES" --rows 1,4,16 --tiles
+}
+
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -31,3 +31,12 @@ def test_both_layouts_give_the_dequantized_product() -> None:
         x.to(torch.bfloat16), tinygemm_pack(codes), group, tinygemm_scales(scales, zeros)
     )
     assert ((tiny.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_every_tile_config_holds_the_8b_layers() -> None:
+    from kvscale.kernels.testing import LLAMA_8B_LINEARS
+    from kvscale.kernels.w4a16_tiles import tiles_fit
+
+    assert it.TILES and all(name.startswith("m16") for name in it.TILES)
+    for cfg in it.TILES.values():
+        assert all(tiles_fit(k, it.GROUP, cfg) for _, k, _ in LLAMA_8B_LINEARS), cfg
