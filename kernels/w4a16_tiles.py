@@ -10,16 +10,17 @@ Layouts (the codes as in ``kvscale.kernels.w4a16``):
              ``k`` is in group ``k // group_size`` (contiguous groups, no act-order)
     out:     ``[M, N]`` in x's dtype: ``x @ ((code - zero) * scale)``
 
-Why: the W4A16 kernels dequantize each weight in fp32 (shift, mask, convert, FMA, round:
-~6.5 instructions a weight with a 16-bit shared-memory store each, on sm_90) where an
-H100 moving int4 weights at 85% of its bandwidth leaves an SM ~5.8 instructions a weight
-in all. Here one ``lop3`` a word and shift ORs two nibbles into the mantissa of 1024
-(fp16) or 128 (bf16): exactly ``1024 + code``. Then ``(h - (1024 + zero)) * scale`` (the
-subtraction exact) on 16-bit pairs: ~3.6-4.2 instructions a weight in all compiled for
-sm_90, the tile reaching the MMA through one vectorized shared-memory trip. Each
-``lop3`` result holds rows ``(k, k + 1)`` of a word (the order ``transpose_words``
-stores), as the MMA takes them from one register. Under the Triton interpreter (no
-inline PTX) shifts and adds give the same values.
+Why: the W4A16 kernels dequantize each weight in fp32 (shift, mask, convert, FMA, round,
+a 16-bit shared-memory store each: their 16-row tile loop compiles to ~9.6 instructions
+a weight for sm_90, ~11.6 with zero points, counted as below) where an H100 moving int4
+weights at 85% of its bandwidth leaves an SM ~5.8 instructions a weight in all. Here one
+``lop3`` a word and shift ORs two nibbles into the mantissa of 1024 (fp16) or 128
+(bf16): exactly ``1024 + code``. Then ``(h - (1024 + zero)) * scale`` (the subtraction
+exact) on 16-bit pairs: ~3.4-4.1 instructions a weight in all compiled for sm_90 (the
+loop's growth from 128 to 256 rows of K a step), the tile reaching the MMA through one
+vectorized shared-memory trip. Each ``lop3`` result holds rows ``(k, k + 1)`` of a word
+(the order ``transpose_words`` stores), as the MMA takes them from one register. Under
+the Triton interpreter (no inline PTX) shifts and adds give the same values.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 TMA, its MMAs are fp16 / bf16 HMMAs, nothing spills at the default's 256 rows of K a
 step, no byte permutes re-pair the unpacked values (a few convert the zero points), and
 its loop costs at most ~4.5 instructions a weight (the fp32 dequantization of
-``kernels/w4a16.py`` ~6.5: the point of this kernel). At 512 rows a step and 4 warps
-it spills: the bench's configs keep 128 weights or fewer a thread."""
+``kernels/w4a16.py`` ~9.6-11.6 by the same count: the point of this kernel). At 512 rows
+a step and 4 warps it spills: the bench's configs keep 128 weights or fewer a thread."""
 
 from __future__ import annotations
 
