@@ -273,3 +273,60 @@ def test_no_tinygemm_copy_past_the_memory_share(monkeypatch: pytest.MonkeyPatch)
     with ops.kernels(True):
         got = method.apply(layer, x, None)
     assert torch.equal(got, w4a16_gemm(x, layer.w4_qweight, layer.w4_scales, None, group))
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["symmetric", "zeros"])
+def test_int4_tiles_take_few_rows_when_asked(sym: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVSCALE_INT4_TILES=1``: a layer keeps ``w4_words`` (and no tinygemm copy); up to
+    ``INT4_TILES_MAX_ROWS`` rows go through ``w4a16_tiles`` and match the dequantized
+    product about as closely as the Triton kernels do; more rows take the Triton kernel,
+    bit for bit."""
+    from kvscale.kernels.w4a16 import w4a16_gemm
+    from kvscale.server.layers import ops
+    from kvscale.server.quantization.int4 import INT4_TILES_MAX_ROWS
+
+    monkeypatch.setenv("KVSCALE_INT4_TILES", "1")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, n, group = 4096, 1024, 128
+    codes = torch.randint(0, 16, (k, n), device="cuda", generator=gen, dtype=torch.int32)
+    scales = torch.rand(k // group, n, device="cuda", generator=gen) * 0.02 + 0.001
+    zeros = None
+    if not sym:
+        zeros = torch.randint(0, 16, (k // group, n), device="cuda", generator=gen)
+        zeros = zeros.to(torch.uint8)
+    z = torch.full_like(scales, 8.0) if zeros is None else zeros.float()
+    rows = torch.arange(k, device="cuda") // group
+    w = (codes.float() - z[rows]) * scales[rows]  # [K, N]
+    method, layer = _int4_layer(codes, scales, zeros, group)
+    assert layer.w4_words is not None and layer.w4_tiny is None
+    x = torch.randn(INT4_TILES_MAX_ROWS + 1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (layer.w4_qweight, layer.w4_scales, layer.w4_zeros, group)
+    want = x.float() @ w
+
+    def err(y: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((y.float() - ref).norm() / ref.norm()).item()
+
+    with ops.kernels(True):
+        for m in (1, 4, INT4_TILES_MAX_ROWS):
+            got = method.apply(layer, x[:m], None)
+            assert err(got, want[:m]) < 2 * err(w4a16_gemm(x[:m], *args), want[:m]) + 1e-3
+            assert not torch.equal(got, w4a16_gemm(x[:m], *args))  # not the Triton kernel
+        assert torch.equal(method.apply(layer, x, None), w4a16_gemm(x, *args))
+
+
+def test_int4_tiles_in_the_engine_track_the_reference_path(
+    rtn: Callable[[str], tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The AWQ bf16 engine with ``KVSCALE_INT4_TILES=1`` (its decode graphs' rows on the
+    tiles) tracks the torch path in bf16 as the default kernels do."""
+    path, _ = rtn("awq")
+    fp32, _ = _run(path, "torch", "float32", **STRESS)
+    want, _ = _run(path, "torch", "bfloat16", **STRESS)
+    monkeypatch.setenv("KVSCALE_INT4_TILES", "1")
+    got, llm = _run(path, "triton", "bfloat16", **STRESS)
+    layers = [
+        m for m in llm.engine.worker.model.modules() if getattr(m, "w4_words", None) is not None
+    ]
+    assert layers, "no layer kept the tiles' words"
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert _mean_common_prefix(got, want) >= 0.8 * _mean_common_prefix(want, fp32)
