@@ -47,34 +47,21 @@ def _nibble_pair(words, SHIFT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constex
     """Nibbles ``SHIFT / 4`` and ``SHIFT / 4 + 4`` of each word as 16-bit floats holding
     ``OFFSET + code`` (OFFSET 1024 in fp16, 128 in bf16)."""
     if ASM:
-        if BF16:
-            lo, hi = tl.inline_asm_elementwise(
-                asm=f"""{{
-                .reg .b32 t;
-                shr.u32 t, $2, {SHIFT};
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea;
-                mov.b32 {{$0, $1}}, t;
-                }}""",
-                constraints="=h,=h,r",
-                args=[words],
-                dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                asm=f"""{{
-                .reg .b32 t;
-                shr.u32 t, $2, {SHIFT};
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
-                mov.b32 {{$0, $1}}, t;
-                }}""",
-                constraints="=h,=h,r",
-                args=[words],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=1,
-            )
+        # 0x4300 is bf16's 128, 0x6400 fp16's 1024: the nibble lands in the mantissa
+        dtype = tl.bfloat16 if BF16 else tl.float16
+        lo, hi = tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            shr.u32 t, $2, {SHIFT};
+            lop3.b32 t, t, 0x000F000F, {"0x43004300" if BF16 else "0x64006400"}, 0xea;
+            mov.b32 {{$0, $1}}, t;
+            }}""",
+            constraints="=h,=h,r",
+            args=[words],
+            dtype=(dtype, dtype),
+            is_pure=True,
+            pack=1,
+        )
     else:
         dtype = tl.bfloat16 if BF16 else tl.float16
         offset = 128.0 if BF16 else 1024.0
