@@ -43,11 +43,13 @@ TILE_MAX_ROWS = 16
 TILE_WIDE_N = 16384
 
 
+TILES_WIDE = TileConfig(16, 128, 256, num_warps=4, num_stages=3, tma=True)
+TILES = TileConfig(16, 64, 256, num_warps=4, num_stages=4, tma=True)
+
+
 def tile_config(n: int) -> TileConfig:
     """The tiles of a product with ``n`` output columns at up to ``TILE_MAX_ROWS`` rows."""
-    if n >= TILE_WIDE_N:
-        return TileConfig(16, 128, 256, num_warps=4, num_stages=3, tma=True)
-    return TileConfig(16, 64, 256, num_warps=4, num_stages=4, tma=True)
+    return TILES_WIDE if n >= TILE_WIDE_N else TILES
 
 
 def uses_tiles(x: torch.Tensor) -> bool:
