@@ -180,21 +180,6 @@ plan_r106() {  # e98 (one H100, ~9 minutes): issue 23's comparisons with the til
   bench serve 200 serve --concurrency 1,16,64,256
 }
 
-plan_r107() {  # e99 (one H100, ~7 minutes): kernels/w4a16_tiles.py natively (its inline-PTX
-  # unpacking runs only on a GPU) and the int4 GPU tests (the tiles in layers and in an
-  # engine under KVSCALE_INT4_TILES=1); its tiles against tinygemm and the W4A16 kernels at
-  # the 8B layers' 1, 4 and 16 rows (bench/int4_tinygemm.py --tiles); int4 C by default
-  # (tinygemm) and with the tiles, an engine phase each
-  facts
-  ckpt_write
-  step tests-kernels 240 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_w4a16_tiles.py
-  step int4-tiles 300 python3 bench/int4_tinygemm.py --out-dir "$RES" --rows 1,4,16 --tiles
-  step tests-gpu 300 "${PT[@]}" tests/gpu/test_int4_cuda.py
-  bench int4 200 int4
-  step int4-with-tiles 200 env KVSCALE_INT4_TILES=1 python3 bench/engine_bench.py \
-    --out-dir "$RES/int4-with-tiles" --ckpt "$CKPT" --phases int4
-}
-
 case "$1" in
   start)
     rm -f "$RES/finished"

@@ -594,28 +594,6 @@ def test_tinygemm_takes_only_what_its_layout_holds(monkeypatch: pytest.MonkeyPat
     assert not tinygemm_fits(4096, 6144, 128, True, bf16, torch.device("cuda"))
 
 
-def test_int4_tiles_only_when_asked_on_hopper_for_in_order_16_bit_layers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from kvscale.server.quantization.int4 import int4_tiles_fit
-
-    bf16, cpu = torch.bfloat16, torch.device("cpu")
-    monkeypatch.setenv("KVSCALE_INT4_TILES", "1")
-    assert not int4_tiles_fit(4096, 128, True, bf16, cpu)  # CUDA only (the TMA)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    cuda = torch.device("cuda")
-    assert int4_tiles_fit(4096, 128, True, bf16, cuda)
-    assert int4_tiles_fit(4096, 128, True, torch.float16, cuda)
-    assert not int4_tiles_fit(4096, 128, True, torch.float32, cuda)
-    assert not int4_tiles_fit(4096, 128, False, bf16, cuda)  # act order
-    assert not int4_tiles_fit(4096, 96, True, bf16, cuda)  # groups that split a tile
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not int4_tiles_fit(4096, 128, True, bf16, cuda)  # no TMA before Hopper
-    monkeypatch.setenv("KVSCALE_INT4_TILES", "0")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert not int4_tiles_fit(4096, 128, True, bf16, cuda)  # opt-in until measured
-
-
 def test_tinygemm_copies_stop_at_the_memory_share() -> None:
     from kvscale.server.quantization.int4 import TINYGEMM_MEMORY_SHARE, tinygemm_copy_fits
 

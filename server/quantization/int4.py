@@ -30,9 +30,9 @@ That is a second copy of the codes (half a byte a weight), kept while the GPU's 
 memory stays within ``TINYGEMM_MEMORY_SHARE`` of it (a model too large for it keeps the
 Triton kernels in the layers past that point); ``KVSCALE_TINYGEMM=0`` leaves it out.
 
-``KVSCALE_INT4_TILES=1`` (opt-in until measured: NOTES e99) keeps ``w4_words`` instead,
-the codes as ``kvscale.kernels.w4a16_tiles`` reads them (the same half byte a weight),
-and up to ``INT4_TILES_MAX_ROWS`` rows take that kernel (fp16 or bf16, in order).
+``kvscale.kernels.w4a16_tiles`` (16-row TMA tiles, two nibbles a ``lop3``) is not used
+here: on an H100 it took 1.2-2.6x tinygemm's time a layer at 1-4 rows and lost C by 2x
+(r107, NOTES "e99 measured").
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ import torch
 from torch import nn
 
 from kvscale.kernels.w4a16 import pack_int4_rows, unpack_int4_rows, w4a16_gemm, w4a16_gemm_ref
-from kvscale.kernels.w4a16_tiles import DEFAULT_CONFIG as INT4_TILES_CONFIG
-from kvscale.kernels.w4a16_tiles import tiles_fit, transpose_words, w4a16_tiles
 from kvscale.server.config import CheckpointError
 from kvscale.server.layers import ops
 from kvscale.server.quantization.base import LinearMethod, set_weight_attrs
@@ -58,8 +56,6 @@ TINYGEMM_MAX_ROWS = 4
 # layers stop getting tinygemm's copy where it would take the GPU's allocated memory past
 # this share of the GPU: a 4-bit model too large for a copy of its codes keeps its KV pool
 TINYGEMM_MEMORY_SHARE = 0.35
-# rows that take kernels/w4a16_tiles.py under KVSCALE_INT4_TILES=1 (its tiles hold 16)
-INT4_TILES_MAX_ROWS = 16
 
 
 @torch.library.custom_op("kvscale::w4a16_gemm", mutates_args=())
@@ -135,22 +131,6 @@ def tinygemm_copy_fits(allocated: int, copy_bytes: int, total: int) -> bool:
     """Whether a layer's copy (``copy_bytes``) keeps the GPU's allocated memory (bytes,
     this process's) within ``TINYGEMM_MEMORY_SHARE`` of its ``total``."""
     return allocated + copy_bytes <= TINYGEMM_MEMORY_SHARE * total
-
-
-def int4_tiles_fit(
-    k: int, group_size: int, in_order: bool, dtype: torch.dtype, device: torch.device
-) -> bool:
-    """Whether a layer keeps ``w4_words`` for ``kvscale.kernels.w4a16_tiles``:
-    ``KVSCALE_INT4_TILES=1``, a CUDA GPU of compute capability 9.0 or later (the TMA),
-    16-bit activations, groups in checkpoint order that the default tiles hold."""
-    return (
-        os.environ.get("KVSCALE_INT4_TILES", "0") == "1"
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-        and dtype in (torch.float16, torch.bfloat16)
-        and in_order
-        and tiles_fit(k, group_size, INT4_TILES_CONFIG)
-    )
 
 
 def tinygemm_scales(scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
@@ -257,31 +237,20 @@ class Int4LinearMethod(LinearMethod):
         layer.w4_g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
         layer.w4_group_size = group_size
         in_order = perm is None and g_idx is None
-        layer.w4_tiny = layer.w4_tiny_sz = layer.w4_words = None
+        layer.w4_tiny = layer.w4_tiny_sz = None
         n, device = qweight.shape[1], qweight.device
-
-        def copy_fits() -> bool:  # a second copy of the codes (CUDA only: asked last)
-            return tinygemm_copy_fits(
-                torch.cuda.memory_allocated(device),
-                n * k // 2 + scales.shape[0] * n * 4,
-                torch.cuda.get_device_properties(device).total_memory,
-            )
-
-        if int4_tiles_fit(k, group_size, in_order, layer.params_dtype, device) and copy_fits():
-            layer.w4_words = nn.Parameter(transpose_words(qweight), requires_grad=False)
-            return
-        if tinygemm_fits(k, n, group_size, in_order, layer.params_dtype, device) and copy_fits():
+        fits = tinygemm_fits(k, n, group_size, in_order, layer.params_dtype, device)
+        if fits and tinygemm_copy_fits(
+            torch.cuda.memory_allocated(device),
+            n * k // 2 + scales.shape[0] * n * 4,
+            torch.cuda.get_device_properties(device).total_memory,
+        ):
             codes = unpack_int4_rows(qweight, k).t()
             layer.w4_tiny = nn.Parameter(tinygemm_pack(codes), requires_grad=False)
             sz = tinygemm_scales(scales, zeros)
             layer.w4_tiny_sz = nn.Parameter(sz, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.w4_words is not None and x.dim() == 2:
-            if ops.few_rows_on_kernels(x, INT4_TILES_MAX_ROWS):
-                y = w4a16_tiles(x, layer.w4_words, layer.w4_scales, layer.w4_zeros,
-                                layer.w4_group_size, INT4_TILES_CONFIG)  # fmt: skip
-                return y if bias is None else y + bias
         tiny = layer.w4_tiny is not None and ops.routed_to_kernels()
         if tiny and x.dim() == 2 and 0 < x.shape[0] <= TINYGEMM_MAX_ROWS:
             y = torch.ops.aten._weight_int4pack_mm(

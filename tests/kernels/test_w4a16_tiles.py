@@ -19,7 +19,7 @@ from kvscale.kernels.w4a16_tiles import (
 
 # 128 and 64 rows of K a step under the interpreter; on a GPU the bench's candidates
 SMALL = (TileConfig(16, 32, 64, 4, 1), TileConfig(16, 16, 32, 4, 2))
-GPU = (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 256, 4, 3), TileConfig(32, 64, 64, 4, 4))
+GPU = (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 128, 8, 3), TileConfig(32, 64, 64, 4, 4))
 CONFIGS = GPU if on_native_gpu() else SMALL
 DTYPES = [torch.float16, torch.bfloat16] if on_native_gpu() else [torch.float16]
 
