@@ -166,16 +166,15 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r106() {  # e98 (one H100, ~6 minutes): issue 23's comparisons with the tiles at HEAD
-  # (the head on the tiles up to 64 rows): C, A, B; D at c=1, 16, 64, 256; first the tiles'
-  # kernel tests natively and the CUDA engine tests at HEAD (folded since r101-r104).
-  # int4 C at HEAD ran in r107; FP8 and speculation wait for a longer lease.
+plan_r106() {  # e98 (one H100, ~4.5 minutes, the lease's last): the tiles' kernel tests
+  # natively and the CUDA engine tests at HEAD (folded since r101-r104), then C, A, B
+  # (the head on the tiles up to 64 rows). int4 C at HEAD ran in r107; FP8, speculation
+  # and D wait for a longer lease.
   facts
-  ckpt_write
   step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_tile_mm.py
   step tests-gpu 200 "${PT[@]}" tests/gpu/test_engine_cuda.py
+  ckpt_write
   bench base 150 ceilings,ours
-  bench serve 200 serve --concurrency 1,16,64,256
 }
 
 case "$1" in
