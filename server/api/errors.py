@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -118,8 +120,17 @@ def param_of(err: ValueError, rename: dict[str, str] | None = None) -> str | Non
     return (rename or {}).get(name, name)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def _validation_message(
+    errors: Sequence[Any], content_type: str | None = None
+) -> tuple[str, str | None]:
+    """One line naming the first invalid field (and how many more), and that field: for
+    FastAPI's errors of a request body, or pydantic's of a request model built inside a
+    handler. ``content_type``: the request's header ("" when absent; None: not known)."""
     if not errors:
         return "invalid request", None
     first = errors[0]
@@ -130,6 +141,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value"))
     if param is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        if content_type is not None and not _is_json(content_type):
+            got = repr(content_type) if content_type else "none"
+            return (
+                f"the request body must be JSON sent as Content-Type: application/json, "
+                f"got Content-Type {got}",
+                None,
+            )
         return "the request body must be a JSON object", None
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return (f"{param}: {msg}" if param else msg) + more, param
@@ -140,7 +158,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc.errors(), request.headers.get("content-type", ""))
+        return error_response(400, message, param)
+
+    @app.exception_handler(ValidationError)
+    async def _model(request: Request, exc: ValidationError) -> JSONResponse:
+        message, param = _validation_message(exc.errors())  # a model a handler built
         return error_response(400, message, param)
 
     @app.exception_handler(APIError)

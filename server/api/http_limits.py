@@ -224,7 +224,7 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def _too_large(limit: int, size: int | None, scope: Scope, receive: Any, send: Send) -> None:
-    what = f"{size} bytes" if size is not None else "more"
+    what = f"{size} bytes" if size is not None else f"more than {limit} bytes sent"
     resp = error_response(
         413,
         f"the request body is too large: {what}, the limit is {limit} bytes "

@@ -91,11 +91,17 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise APIError(
                         400,
                         f"only text content parts are supported, got type {part.type!r}",
                         param=f"messages.{i}.content.{j}",
+                    )
+                if part.text is None:
+                    raise APIError(
+                        400,
+                        "a text content part needs its 'text' field (a string)",
+                        param=f"messages.{i}.content.{j}.text",
                     )
                 texts.append(part.text)
             d["content"] = "\n".join(texts)

@@ -51,6 +51,15 @@ def check_request_size(num_prompts: int, n: int) -> None:
 def tokenize(engine: AsyncEngine, text: str, param: str, special: bool = True) -> list[int]:
     """Token ids of ``text``; 400 if the tokenizer cannot take it (e.g. lone surrogates)."""
     try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800": no UTF-8 for a tokenizer to take
+        raise APIError(
+            400,
+            f"cannot tokenize {param}: it holds an unpaired UTF-16 surrogate "
+            f"({text[e.start]!r} at character {e.start}), not valid Unicode text",
+            param=param,
+        ) from e
+    try:
         if special:
             return engine.tokenize(text)
         return list(engine.tokenizer.encode(text, add_special_tokens=False))

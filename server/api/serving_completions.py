@@ -228,7 +228,7 @@ def _echo_logprobs(
     if not (req.echo and req.logprobs is not None and out.prompt_logprobs is not None):
         return None
     ids = out.prompt_token_ids
-    first = engine.tokenizer.decode(ids[:1], skip_special_tokens=False)
+    first = engine.processor.token_text(ids[0])
     return prompt_logprobs_part(ids, out.prompt_logprobs, req.logprobs, first)
 
 

@@ -8,6 +8,7 @@ the first output token keeps its leading space, as it would in a full decode.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,31 @@ def decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+SENTENCEPIECE_SPACE = "\u2581"  # "▁": SentencePiece's mark of a space in a piece
+
+
+def token_texts(tokenizer: Any, decode: Callable[[list[int], bool], str]) -> Callable[[int], str]:
+    """``text(token_id)``: one token's text as it reads inside running text (logprobs'
+    token strings). ``decode([id])`` alone drops the leading space a SentencePiece decoder
+    strips from a text's first token ("▁pound" -> "pound"), so distinct tokens ("▁pp",
+    "pp") would share a string and a sequence's strings would not join to its text; the
+    spaces its piece starts with are put back (vLLM's fix, PR 48674). Byte-level pieces
+    ("Ġpound") keep their space when decoded alone. Cached: at most one entry a token."""
+    to_piece = getattr(tokenizer, "convert_ids_to_tokens", None)
+
+    @functools.cache
+    def text(token_id: int) -> str:
+        s = decode([token_id], False)
+        piece = to_piece(token_id) if to_piece is not None else None
+        if isinstance(piece, str) and piece.startswith(SENTENCEPIECE_SPACE):
+            want = len(piece) - len(piece.lstrip(SENTENCEPIECE_SPACE))
+            have = len(s) - len(s.lstrip(" "))
+            s = " " * max(0, want - have) + s
+        return s
+
+    return text
 
 
 class IncrementalDetokenizer:

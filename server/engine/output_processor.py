@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscale.server.engine.core_outputs import RowLogprobs, SeqUpdate
-from kvscale.server.engine.detokenizer import IncrementalDetokenizer, decoder
+from kvscale.server.engine.detokenizer import IncrementalDetokenizer, decoder, token_texts
 from kvscale.server.outputs import CompletionOutput, Logprob, RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 
@@ -104,6 +104,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, stream: bool = True) -> None:
         self.tokenizer = tokenizer
         self.decode = decoder(tokenizer)
+        self.token_text = token_texts(tokenizer, self.decode)  # logprobs' token strings
         self.stream = stream
         self.requests: dict[str, RequestState] = {}
         self.finished: Counter[str] = Counter()  # sequences by reason; aborts per request
@@ -193,11 +194,11 @@ class OutputProcessor:
 
     def _logprob_entry(self, token: int, lp: RowLogprobs) -> dict[int, Logprob]:
         top_ids, top_lps, s_lp, rank = lp
-        decode = self.decode
-        entry = {token: Logprob(s_lp, rank, decode([token], False))}
+        text = self.token_text
+        entry = {token: Logprob(s_lp, rank, text(token))}
         for r, (tid, val) in enumerate(zip(top_ids, top_lps, strict=True), start=1):
             if tid not in entry:
-                entry[tid] = Logprob(val, r, decode([tid], False))
+                entry[tid] = Logprob(val, r, text(tid))
         return entry
 
 

@@ -94,6 +94,7 @@ def test_chunked_body_over_the_limit_is_413(limits: ServerProcess) -> None:
     )
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
+    assert f"more than {BODY_LIMIT} bytes sent" in r.json()["error"]["message"]
 
 
 def test_oversized_headers_are_431(limits: ServerProcess) -> None:

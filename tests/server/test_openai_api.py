@@ -107,6 +107,13 @@ def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
         assert finish[c.index] == c.finish_reason == "length"
         assert len(c.logprobs.top_logprobs[0]) >= 2  # top 2 (+ the sampled token)
         assert c.logprobs.text_offset[0] == 0
+        # each token's string sits in the text at its offset (up to the first byte of a
+        # character, whose string alone is U+FFFD)
+        toks, offsets = c.logprobs.tokens, c.logprobs.text_offset
+        upto = next((i for i, t in enumerate(toks) if "\ufffd" in t), len(toks))
+        assert upto >= 5, toks
+        for tok, at in zip(toks[:upto], offsets[:upto], strict=True):
+            assert c.text[at : at + len(tok)] == tok, (tok, at, c.text)
     assert usage.model_dump() == full.usage.model_dump()
     assert full.usage.completion_tokens == 48
 
@@ -325,8 +332,31 @@ ERROR_CASES: list[tuple[str, Any, int, str | None]] = [
         400,
         "messages.0.content.0",
     ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages.0.content.0.text",
+    ),
     (CHAT, {"messages": MSG, "model": "other"}, 404, "model"),
+    ("/tokenize", {"messages": []}, 400, "messages"),  # a request model the handler builds
+    (COMP, '{"prompt": "hi \\ud800"}', 400, "prompt"),
+    (CHAT, '{"messages": [{"role": "user", "content": "x\\ud800"}]}', 400, "messages"),
 ]
+
+
+def test_errors_say_what_was_wrong(server: ServerProcess) -> None:
+    def message(r: httpx.Response) -> str:
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["message"]
+
+    assert "unpaired UTF-16 surrogate" in message(_post(server, COMP, '{"prompt": "hi \\ud800"}'))
+    tokenize = message(_post(server, "/tokenize", {"messages": []}))
+    assert tokenize.startswith("messages: List should have at least 1 item"), tokenize
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"}
+    plain = httpx.post(f"{server.url}{COMP}", content=b'{"prompt": "hi"}', headers=headers)
+    assert "Content-Type: application/json, got Content-Type 'text/plain'" in message(plain)
+    assert message(_post(server, COMP, "[1, 2]")) == "the request body must be a JSON object"
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), ERROR_CASES)
