@@ -32,6 +32,15 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     return outs
 
 
+def token_in_text(tokenizer: Any, token_id: int) -> str:
+    """A token's text inside running text (what logprobs' token strings hold): a decode
+    of another token and it, minus that token's decode. A lone decode can differ: a
+    SentencePiece decoder strips the space from a text's first word ("▁er" -> "er")."""
+    anchor = tokenizer.encode("a", add_special_tokens=False)[-1]
+    before = tokenizer.decode([anchor])
+    return tokenizer.decode([anchor, token_id])[len(before) :]
+
+
 def random_prompts(n: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
     """``n`` prompts of token ids (BOS first), lengths drawn from ``lengths`` inclusive."""
     gen = torch.Generator().manual_seed(seed)

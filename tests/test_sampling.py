@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvscale.server import LLM, SamplingParams
-from tests.hf_reference import random_prompts
+from tests.hf_reference import random_prompts, token_in_text
 
 PROMPTS = random_prompts(8, (4, 40), seed=7)
 
@@ -147,7 +147,7 @@ def test_logprobs_match_model_distribution(llm: LLM, llama_ckpt: Path) -> None:
         top = row.topk(3).indices.tolist()
         assert set(top) <= set(entry)
         assert [entry[t].rank for t in top] == [1, 2, 3]
-        assert entry[tok].decoded_token == llm.get_tokenizer().decode([tok])
+        assert entry[tok].decoded_token == token_in_text(llm.get_tokenizer(), tok)
 
 
 @pytest.mark.parametrize(

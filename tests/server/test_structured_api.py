@@ -17,6 +17,8 @@ import openai
 import pytest
 import torch
 
+from tests.hf_reference import token_in_text
+
 from .conftest import ServerProcess
 
 DATA = Path(__file__).parent / "data"
@@ -305,7 +307,7 @@ def test_logit_bias_forces_and_bans(
     prompt = [1, 415, 2936, 9060]
     body = dict(model="tiny", prompt=prompt, temperature=temperature, seed=2, logprobs=0)
     forced = client.completions.create(**body, max_tokens=5, logit_bias={"1234": 100})
-    assert forced.choices[0].logprobs.tokens == [tokenizer.decode([1234])] * 5
+    assert forced.choices[0].logprobs.tokens == [token_in_text(tokenizer, 1234)] * 5
     model = AutoModelForCausalLM.from_pretrained(str(llama_ckpt), dtype=torch.float32)
     with torch.no_grad():
         order = model(torch.tensor([prompt])).logits[0, -1].argsort(descending=True).tolist()
@@ -314,9 +316,9 @@ def test_logit_bias_forces_and_bans(
         **body, max_tokens=1, logit_bias={str(t): -100 for t in banned}
     ).choices[0]
     if temperature == 0:
-        assert out.logprobs.tokens == [tokenizer.decode([order[200]])]
+        assert out.logprobs.tokens == [token_in_text(tokenizer, order[200])]
     else:
-        assert out.logprobs.tokens[0] not in {tokenizer.decode([t]) for t in banned}
+        assert out.logprobs.tokens[0] not in {token_in_text(tokenizer, t) for t in banned}
 
 
 # ---- prompt logprobs --------------------------------------------------------------------------
