@@ -214,26 +214,6 @@ def _int4_layer(
     return method, layer
 
 
-def _int4_case(
-    k: int, n: int, group: int, sym: bool, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Random codes ``[K, N]``, scales and zero points (None: symmetric) of groups of
-    ``group`` rows, and the weight they stand for, ``[K, N]`` fp32."""
-    codes = torch.randint(0, 16, (k, n), device="cuda", generator=gen, dtype=torch.int32)
-    scales = torch.rand(k // group, n, device="cuda", generator=gen) * 0.02 + 0.001
-    zeros = None
-    if not sym:
-        zeros = torch.randint(0, 16, (k // group, n), device="cuda", generator=gen)
-        zeros = zeros.to(torch.uint8)
-    z = torch.full_like(scales, 8.0) if zeros is None else zeros.float()
-    rows = torch.arange(k, device="cuda") // group
-    return codes, scales, zeros, (codes.float() - z[rows]) * scales[rows]
-
-
-def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.parametrize("sym", [True, False], ids=["symmetric", "zeros"])
 def test_tinygemm_one_row_matches_the_dequantized_product(sym: bool) -> None:
     """A layer tinygemm's layout holds (bf16, group 128, in order) keeps its packed copy;
@@ -246,7 +226,15 @@ def test_tinygemm_one_row_matches_the_dequantized_product(sym: bool) -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, n, group = 4096, 1024, 128
-    codes, scales, zeros, w = _int4_case(k, n, group, sym, gen)
+    codes = torch.randint(0, 16, (k, n), device="cuda", generator=gen, dtype=torch.int32)
+    scales = torch.rand(k // group, n, device="cuda", generator=gen) * 0.02 + 0.001
+    zeros = None
+    if not sym:
+        zeros = torch.randint(0, 16, (k // group, n), device="cuda", generator=gen)
+        zeros = zeros.to(torch.uint8)
+    z = torch.full_like(scales, 8.0) if zeros is None else zeros.float()
+    rows = torch.arange(k, device="cuda") // group
+    w = (codes.float() - z[rows]) * scales[rows]  # [K, N]
     method, layer = _int4_layer(codes, scales, zeros, group)
     assert layer.w4_tiny is not None and layer.w4_tiny_sz.shape == (k // group, n, 2)
     rows = TINYGEMM_MAX_ROWS
@@ -254,11 +242,14 @@ def test_tinygemm_one_row_matches_the_dequantized_product(sym: bool) -> None:
     args = (layer.w4_qweight, layer.w4_scales, layer.w4_zeros, group)
     want = x.float() @ w
 
+    def err(y: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((y.float() - ref).norm() / ref.norm()).item()
+
     with ops.kernels(True):
         for m in (1, rows):
             got = method.apply(layer, x[:m], None)
-            assert _rel_err(got, want[:m]) < 2 * _rel_err(w4a16_gemm(x[:m], *args), want[:m]) + 1e-3
-            assert _rel_err(got, want[:m]) < 1e-2
+            assert err(got, want[:m]) < 2 * err(w4a16_gemm(x[:m], *args), want[:m]) + 1e-3
+            assert err(got, want[:m]) < 1e-2
             assert not torch.equal(got, w4a16_gemm(x[:m], *args))  # not the Triton kernel
         assert torch.equal(method.apply(layer, x, None), w4a16_gemm(x, *args))
     with ops.kernels(False):  # the reference path never takes it
