@@ -51,20 +51,25 @@ def check_request_size(num_prompts: int, n: int) -> None:
 def tokenize(engine: AsyncEngine, text: str, param: str, special: bool = True) -> list[int]:
     """Token ids of ``text``; 400 if the tokenizer cannot take it (e.g. lone surrogates)."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON's "\ud800": no UTF-8 for a tokenizer to take
-        raise APIError(
-            400,
-            f"cannot tokenize {param}: it holds an unpaired UTF-16 surrogate "
-            f"({text[e.start]!r} at character {e.start}), not valid Unicode text",
-            param=param,
-        ) from e
-    try:
         if special:
             return engine.tokenize(text)
         return list(engine.tokenizer.encode(text, add_special_tokens=False))
     except Exception as e:
-        raise APIError(400, f"cannot tokenize {param}: {e}", param=param) from e
+        why = _untokenizable(text, e)
+        raise APIError(400, f"cannot tokenize {param}: {why}", param=param) from e
+
+
+def _untokenizable(text: str, err: Exception) -> str:
+    """Why a tokenizer refused ``text``: an unpaired surrogate (JSON's "\ud800", no UTF-8
+    to take) named where it is, else the tokenizer's own message."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"it holds an unpaired UTF-16 surrogate ({text[e.start]!r} at character "
+            f"{e.start}), not valid Unicode text"
+        )
+    return str(err)
 
 
 async def tokenize_off_loop(
