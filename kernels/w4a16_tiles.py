@@ -19,8 +19,9 @@ weights at 85% of its bandwidth leaves an SM ~5.8 instructions a weight in all. 
 ``lop3`` a word and shift ORs two nibbles into the mantissa of 1024 (fp16) or 128
 (bf16): exactly ``1024 + code``. Then ``(h - (1024 + zero)) * scale`` (the subtraction
 exact) on 16-bit pairs: ~3.4-4.1 instructions a weight in all compiled for sm_90 (the
-loop's growth from 128 to 256 rows of K a step), the tile reaching the MMA through one
-vectorized shared-memory trip. Each ``lop3`` result holds rows ``(k, k + 1)`` of a word
+loop's growth from 128 to 256 rows of K a step). With zero points the unpacked tile
+reaches the MMA in registers; without, Triton passes it through shared memory (NOTES "e99
+measured"). Each ``lop3`` result holds rows ``(k, k + 1)`` of a word
 (the order ``transpose_words`` stores), as the MMA takes them from one register. Under
 the Triton interpreter (no inline PTX) shifts and adds give the same values.
 """
