@@ -166,25 +166,17 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r106() {  # e98 (one H100, ~11 minutes: two calls on one machine, the second only
-  # waiting): the tiles' kernel tests natively and the CUDA engine tests at HEAD (folded
-  # since r101-r104), then issue 23's comparisons with the tiles (FP8 products of up to 16
-  # rows, the head up to 64): C, A, B; FP8 (C, A, D c=64, both variants); speculation at
-  # batch 1 and 16; D at c=1, 16, 64, 256. int4 C at HEAD ran in r107.
+plan_r108() {  # e100 (one H100, ~6 minutes): why FP8's serving steps are slower than
+  # bf16's at c=64 (r106): profile_step's mixed steps (64 decodes + a prompt joining) and
+  # their host functions, bf16 against FP8 weights, with decode graphs only, then with
+  # piecewise graphs for the mixed steps
   facts
-  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_tile_mm.py
-  step tests-gpu 200 "${PT[@]}" tests/gpu/test_engine_cuda.py
   ckpt_write
-  bench base 150 ceilings,ours
-  bench fp8 240 fp8
-  bench spec 200 spec
-  bench serve 200 serve --concurrency 1,16,64,256
-}
-
-plan_r108() {  # the owed tests alone (~2.5 minutes), for a lease too short for plan_r106
-  facts
-  step tests-kernels 120 env KVSCALE_KERNEL_TESTS=1 "${PT[@]}" tests/kernels/test_tile_mm.py
-  step tests-gpu 200 "${PT[@]}" tests/gpu/test_engine_cuda.py
+  step profile-decode-graphs 240 python3 bench/profile_step.py --ckpt "$CKPT" \
+    --quantization none,fp8 --sections 345 --compile-cache-dir "$RES/compile-cache"
+  step profile-piecewise 260 python3 bench/profile_step.py --ckpt "$CKPT" \
+    --quantization none,fp8 --modes full_and_piecewise --sections 4 \
+    --compile-cache-dir "$RES/compile-cache"
 }
 
 case "$1" in

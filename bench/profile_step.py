@@ -20,6 +20,7 @@ graphs, in one lease:
 
     python bench/profile_step.py [--ckpt /tmp/llama31-8b-random]
     python bench/profile_step.py --modes full_decode_only,full_and_piecewise --sections 4
+    python bench/profile_step.py --quantization none,fp8 --sections 345
 """
 
 from __future__ import annotations
@@ -95,42 +96,58 @@ def main() -> None:
     )
     ap.add_argument("--sections", default="1234", help="which sections to run, e.g. 4")
     ap.add_argument("--compile-cache-dir", default="/tmp/kvscale/compile-cache")
+    ap.add_argument(
+        "--quantization",
+        default="",
+        help="comma list of engines' --quantization values, each profiled in every mode "
+        "('' or none: bf16 weights; fp8: FP8 weights)",
+    )
     args = ap.parse_args()
-    import gc
-
-    import torch
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_bench import _prompts, ensure_checkpoint
-
-    from kvscale.server import LLM, SamplingParams
+    from engine_bench import ensure_checkpoint
 
     ckpt = Path(args.ckpt)
     ensure_checkpoint(ckpt)
-    for mode in args.modes.split(","):
-        t0 = time.perf_counter()
-        llm = LLM(
-            str(ckpt),
-            dtype="bfloat16",
-            max_model_len=2048,
-            gpu_memory_utilization=0.85,
-            cuda_graph_mode=mode,
-            compile_cache_dir=args.compile_cache_dir,
+    for quant in args.quantization.split(","):
+        for mode in args.modes.split(","):
+            _profile_engine(ckpt, mode, quant, args.sections, args.compile_cache_dir)
+
+
+def _profile_engine(ckpt: Path, mode: str, quant: str, sections: str, cache_dir: str) -> None:
+    """Starts an engine (``quant``: a ``--quantization`` value, '' or 'none' for the
+    checkpoint's own weights), warms it up, runs ``sections`` and frees it."""
+    import gc
+
+    import torch
+    from engine_bench import _prompts
+
+    from kvscale.server import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        str(ckpt),
+        dtype="bfloat16",
+        max_model_len=2048,
+        gpu_memory_utilization=0.85,
+        cuda_graph_mode=mode,
+        compile_cache_dir=cache_dir,
+        quantization=None if quant in ("", "none") else quant,
+    )
+    label = f"quantization={quant or 'none'} cuda_graph_mode={mode}"
+    print(f"==== {label}: start-up {time.perf_counter() - t0:.1f} s", flush=True)
+    pw = llm.engine.worker.piecewise
+    if pw is not None:
+        print(
+            f"piecewise: compile {pw.compile_seconds:.1f} s, capture "
+            f"{pw.capture_seconds:.1f} s, {len(pw.sizes)} sizes"
         )
-        print(f"==== cuda_graph_mode={mode}: start-up {time.perf_counter() - t0:.1f} s")
-        pw = llm.engine.worker.piecewise
-        if pw is not None:
-            print(
-                f"piecewise: compile {pw.compile_seconds:.1f} s, capture "
-                f"{pw.capture_seconds:.1f} s, {len(pw.sizes)} sizes"
-            )
-        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        llm.generate(_prompts(8, 512, 5), greedy)  # warm-up
-        llm.generate(_prompts(1, 128, 0), greedy)
-        _sections(llm.engine, args.sections)
-        del llm, pw
-        gc.collect()
-        torch.cuda.empty_cache()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(_prompts(8, 512, 5), greedy)  # warm-up
+    llm.generate(_prompts(1, 128, 0), greedy)
+    _sections(llm.engine, sections)
+    del llm, pw
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _sections(eng: Any, sections: str) -> None:
