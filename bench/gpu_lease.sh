@@ -172,9 +172,9 @@ plan_r108() {  # e100 (one H100, ~6 minutes): why FP8's serving steps are slower
   # piecewise graphs for the mixed steps
   facts
   ckpt_write
-  step profile-decode-graphs 240 python3 bench/profile_step.py --ckpt "$CKPT" \
+  step profile-decode-graphs 200 python3 bench/profile_step.py --ckpt "$CKPT" \
     --quantization none,fp8 --sections 345 --compile-cache-dir "$RES/compile-cache"
-  step profile-piecewise 260 python3 bench/profile_step.py --ckpt "$CKPT" \
+  step profile-piecewise 200 python3 bench/profile_step.py --ckpt "$CKPT" \
     --quantization none,fp8 --modes full_and_piecewise --sections 4 \
     --compile-cache-dir "$RES/compile-cache"
 }
