@@ -166,17 +166,13 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r108() {  # e100 (one H100, ~6 minutes): why FP8's serving steps are slower than
-  # bf16's at c=64 (r106): profile_step's mixed steps (64 decodes + a prompt joining) and
-  # their host functions, bf16 against FP8 weights, with decode graphs only, then with
-  # piecewise graphs for the mixed steps
+plan_r108() {  # e100 (one H100, ~4 minutes): why FP8's serving steps are slower than
+  # bf16's at c=64 (r106): profile_step's prefill and mixed steps (64 decodes + a prompt
+  # joining) and the mixed steps' host functions, bf16 against FP8 weights
   facts
   ckpt_write
-  step profile-decode-graphs 200 python3 bench/profile_step.py --ckpt "$CKPT" \
-    --quantization none,fp8 --sections 345 --compile-cache-dir "$RES/compile-cache"
-  step profile-piecewise 200 python3 bench/profile_step.py --ckpt "$CKPT" \
-    --quantization none,fp8 --modes full_and_piecewise --sections 4 \
-    --compile-cache-dir "$RES/compile-cache"
+  step profile 220 python3 bench/profile_step.py --ckpt "$CKPT" --quantization none,fp8 \
+    --sections 345 --compile-cache-dir "$RES/compile-cache"
 }
 
 case "$1" in
