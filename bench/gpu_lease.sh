@@ -166,13 +166,21 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-plan_r108() {  # e100 (one H100, ~4 minutes): why FP8's serving steps are slower than
-  # bf16's at c=64 (r106): profile_step's prefill and mixed steps (64 decodes + a prompt
-  # joining) and the mixed steps' host functions, bf16 against FP8 weights
+serve_c64() {  # serve_c64 NAME [FLAGS]: D at c=64 on a server of its own, in $RES/NAME
+  step "$1" 150 python3 bench/engine_bench.py --out-dir "$RES/$1" --ckpt "$CKPT" \
+    --phases serve --concurrency 64 "--serve-args=${2:-}"
+}
+
+plan_r109() {  # e101 (one H100, ~6 minutes): FP8's D c=64 against bf16's, alternated on
+  # servers of their own (r106: 11.62 against 8.91 ms median TPOT; r108: FP8's mixed steps
+  # no slower), then FP8 with piecewise graphs for its mixed steps (no longer host-bound)
   facts
   ckpt_write
-  step profile 220 python3 bench/profile_step.py --ckpt "$CKPT" --quantization none,fp8 \
-    --sections 345 --compile-cache-dir "$RES/compile-cache"
+  serve_c64 bf16-1
+  serve_c64 fp8-1 --quantization=fp8
+  serve_c64 bf16-2
+  serve_c64 fp8-2 --quantization=fp8
+  serve_c64 fp8-pieces "--quantization=fp8 --cuda-graph-mode=full_and_piecewise"
 }
 
 case "$1" in
