@@ -171,10 +171,12 @@ serve_c64() {  # serve_c64 NAME [FLAGS]: D at c=64 on a server of its own, in $R
     --phases serve --concurrency 64 "--serve-args=${2:-}"
 }
 
-plan_r109() {  # e101 (one H100, ~6 minutes): FP8's D c=64 against bf16's, alternated on
+plan_r109() {  # e101 (one H100, ~7 minutes): FP8's piecewise graphs against eager (the new
+  # GPU test), then FP8's D c=64 against bf16's, alternated on
   # servers of their own (r106: 11.62 against 8.91 ms median TPOT; r108: FP8's mixed steps
   # no slower), then FP8 with piecewise graphs for its mixed steps (no longer host-bound)
   facts
+  step tests-gpu 150 "${PT[@]}" tests/gpu/test_piecewise_cuda.py -k fp8
   ckpt_write
   serve_c64 bf16-1
   serve_c64 fp8-1 --quantization=fp8
