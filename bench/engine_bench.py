@@ -1193,6 +1193,9 @@ def phase_structured(ckpt: Path, **kw: Any) -> dict[str, Any]:
     return res
 
 
+# whether the serving client saves each request's TTFT and inter-token latencies
+# (--serve-detailed; main sets it)
+SERVE_DETAILED = False
 # engine settings of every in-process engine, from --engine-arg KEY=VALUE (main sets it)
 ENGINE_ARGS: dict[str, Any] = {}
 
@@ -1695,6 +1698,7 @@ def _run_client(
         "--result-file",
         str(path),
         "--disable-tqdm",
+        *(["--save-detailed"] if SERVE_DETAILED else []),
     ]
     subprocess.run(cmd, env=_env(), check=True, timeout=timeout)
     r = json.loads(path.read_text())
@@ -1978,7 +1982,15 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="more kvscale serve flags for the serve and serve-pieces-eager phases, one string",
     )
+    ap.add_argument(
+        "--serve-detailed",
+        action="store_true",
+        help="the serving client also saves each request's send time, TTFT and inter-token "
+        "latencies in serve_<tag>_c<N>.json",
+    )
     args = ap.parse_args(argv)
+    global SERVE_DETAILED
+    SERVE_DETAILED = args.serve_detailed
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     phases = PHASES if args.phases == "all" else tuple(p for p in args.phases.split(",") if p)

@@ -166,9 +166,10 @@ variant_tree() {  # variant_tree PATCH NAME: a copy of this tree in /tmp/NAME wi
 # names its plan (plan_rNN) and the commit it ran at, and
 # `git log -S 'plan_rNN()' -- bench/gpu_lease.sh` finds its text. What follows is owed.
 
-serve_c64() {  # serve_c64 NAME [FLAGS]: D at c=64 on a server of its own, in $RES/NAME
+serve_c64() {  # serve_c64 NAME [FLAGS]: D at c=64 on a server of its own, in $RES/NAME,
+  # with each request's TTFT and inter-token latencies
   step "$1" 150 python3 bench/engine_bench.py --out-dir "$RES/$1" --ckpt "$CKPT" \
-    --phases serve --concurrency 64 "--serve-args=${2:-}"
+    --phases serve --concurrency 64 --serve-detailed "--serve-args=${2:-}"
 }
 
 plan_r109() {  # e101 (one H100, ~7 minutes): FP8's piecewise graphs against eager (the new

@@ -69,6 +69,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between chunks
     latency: float = 0.0  # seconds, end to end
     error: str = ""
+    start: float = 0.0  # seconds from the benchmark's start to the request's send
 
 
 # ---- datasets -----------------------------------------------------------------------------
@@ -243,8 +244,14 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
-    """The benchmark's numbers: counts, throughputs (per second), latencies (ms)."""
+def summarize(
+    results: list[RequestResult], duration: float, detailed: bool = False
+) -> dict[str, Any]:
+    """The benchmark's numbers: counts, throughputs (per second), latencies (ms);
+    ``detailed`` adds each request's lengths, send time, TTFT and inter-token latencies
+    (seconds to the microsecond, in request order: vLLM's ``--save-detailed`` fields but
+    its per-request errors, plus ``start_times``), from which the server's steps can be
+    lined up across requests."""
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
@@ -271,6 +278,12 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
             out[f"{stat}_{name}_ms"] = v
     errors = [r.error for r in results if not r.success and r.error]
     out["errors"] = errors[:10]
+    if detailed:
+        out["input_lens"] = [r.prompt_len for r in results]
+        out["output_lens"] = [r.output_tokens for r in results]
+        out["start_times"] = [round(r.start, 6) for r in results]
+        out["ttfts"] = [round(r.ttft, 6) for r in results]
+        out["itls"] = [[round(x, 6) for x in r.itl] for r in results]
     return out
 
 
@@ -456,7 +469,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 await done[req.after].wait()
             try:
                 async with sem:
-                    return await send_request(client, base_url, model, req, api_key, args.backend)
+                    sent = time.perf_counter() - t0
+                    res = await send_request(client, base_url, model, req, api_key, args.backend)
+                    res.start = sent
+                    return res
             finally:
                 done[i].set()
                 bar.update(1)
@@ -470,7 +486,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         bar.close()
-    summary = summarize(list(results), duration)
+    summary = summarize(list(results), duration, args.save_detailed)
     summary["config"] = {
         "base_url": base_url,
         "model": model,
@@ -578,6 +594,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "needs --tokenizer)" + d,
     )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also write each request's prompt and output lengths, send time, TTFT and "
+        "inter-token latencies (s) to the result file",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -590,7 +612,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
     if args.result_file:
         with open(args.result_file, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+            # one line when detailed: the lists hold a number per token
+            json.dump(summary, f, indent=None if args.save_detailed else 2)
         print(f"results written to {args.result_file}", file=sys.stderr)
     return 0 if summary["successful_requests"] else 1
 

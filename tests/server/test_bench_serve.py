@@ -107,6 +107,23 @@ def test_summary_math_and_table() -> None:
         assert label in table, label
 
 
+def test_detailed_summary_keeps_each_request_in_order() -> None:
+    results = [
+        RequestResult(True, 10, 3, ttft=0.1, itl=[0.02, 0.03], latency=0.15, start=0.0),
+        RequestResult(False, 30, 0, error="HTTP 429: full", start=0.5),
+        RequestResult(True, 20, 2, ttft=0.3, itl=[0.05], latency=0.35, start=0.25),
+    ]
+    plain = summarize(results, duration=1.0)
+    s = summarize(results, duration=1.0, detailed=True)
+    assert {k: v for k, v in s.items() if k in plain} == plain
+    assert "itls" not in plain and "start_times" not in plain
+    assert s["input_lens"] == [10, 30, 20] and s["output_lens"] == [3, 0, 2]
+    assert s["start_times"] == [0.0, 0.5, 0.25]
+    assert s["ttfts"] == [0.1, 0.0, 0.3]
+    assert s["itls"] == [[0.02, 0.03], [], [0.05]]
+    assert s["errors"] == ["HTTP 429: full"]
+
+
 @pytest.mark.parametrize("kind", ["sentencepiece", "tekken"])
 def test_text_prompts_encode_back_to_exact_lengths(kind: str, tmp_path: Path) -> None:
     from tokenizers import Tokenizer

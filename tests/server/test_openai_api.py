@@ -468,7 +468,7 @@ def test_bench_serve_against_the_server(server: ServerProcess, tmp_path: Path) -
         "bench", "serve", "--base-url", server.url, "--api-key", KEY,
         "--num-prompts", "8", "--input-len", "8", "--output-len", "6",
         "--max-concurrency", "4", "--request-rate", "inf", "--seed", "1",
-        "--result-file", str(out), "--disable-tqdm",
+        "--result-file", str(out), "--disable-tqdm", "--save-detailed",
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     assert args.func(args) == 0
@@ -478,6 +478,15 @@ def test_bench_serve_against_the_server(server: ServerProcess, tmp_path: Path) -
     assert res["mean_ttft_ms"] > 0 and res["p99_e2el_ms"] >= res["median_e2el_ms"] > 0
     assert res["mean_tpot_ms"] > 0 and res["output_throughput"] > 0
     assert res["config"]["model"] == "tiny"
+    # --save-detailed: each request's own numbers, which the summary's are made of
+    assert res["input_lens"] == [8] * 8 and res["output_lens"] == [6] * 8
+    assert all(0 <= t < res["duration_s"] for t in res["start_times"])
+    assert sorted(res["start_times"])[4] > 0  # the fifth waited for a slot of four
+    assert all(0 < len(x) <= 5 for x in res["itls"])
+    itls = [x for r in res["itls"] for x in r]
+    # saved to the microsecond
+    assert 1e3 * sum(itls) / len(itls) == pytest.approx(res["mean_itl_ms"], abs=1e-3)
+    assert 1e3 * sum(res["ttfts"]) / 8 == pytest.approx(res["mean_ttft_ms"], abs=1e-3)
 
 
 def test_bench_serve_text_prompts_keep_exact_lengths(
