@@ -184,6 +184,7 @@ plan_r109() {  # e101 (one H100, ~7 minutes): FP8's piecewise graphs against eag
   serve_c64 bf16-2
   serve_c64 fp8-2 --quantization=fp8
   serve_c64 fp8-pieces "--quantization=fp8 --cuda-graph-mode=full_and_piecewise"
+  step itl 30 python3 bench/serve_itl.py "$RES"/*/serve_kvscale_c64.json
 }
 
 case "$1" in
