@@ -279,8 +279,14 @@ def test_the_other_operator_takes_over(setup: Setup) -> None:
     wait_for(lambda: setup.holder() == other, timeout=10, what="the hand-over")
     setup.set(kv=0.9)
     wait_for(lambda: setup.replicas() == 2, timeout=10, what="a scale-up by the new leader")
-    metrics = setup.operator_metrics(other)
-    assert metrics["kvscale_operator_autoscaler_decisions_total[('direction', 'up')]"] >= 1
+    # The Deployment follows the scale write (the reconcile handler sees the spec change)
+    # before the leader's evaluation returns and counts it: on a loaded machine, later.
+    up = "kvscale_operator_autoscaler_decisions_total[('direction', 'up')]"
+    metrics = wait_for(
+        lambda: (m := setup.operator_metrics(other)).get(up, 0) >= 1 and m,
+        timeout=10,
+        what="the new leader's scale-up counted",
+    )
     key = f"[('llmdeployment', '{NAME}'), ('namespace', '{NS}')]"
     assert metrics["kvscale_operator_autoscaler_desired_replicas" + key] >= 2
     last = metrics["kvscale_operator_autoscaler_last_reconcile_timestamp_seconds" + key]
