@@ -12,6 +12,12 @@ import torch
 
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.quantization.dense import BLAS_ENV
+from tests.greedy_paths import (
+    common_prefixes,
+    greedy_logprobs,
+    logprob_distance,
+    mean_common_prefix,
+)
 from tests.hf_reference import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -66,16 +72,6 @@ def test_triton_matches_torch_backend_fp32(
     assert ref == hf_greedy(path, PROMPTS, 24)
 
 
-def _mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
-    total = 0
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        total += n
-    return total / len(a)
-
-
 def test_triton_matches_torch_backend_bf16(checkpoint_factory: Callable[..., Path]) -> None:
     """bf16 sums in other orders (and flash attention rounds P to bf16), so greedy paths of
     a random model drift apart after near-ties. Yardstick: the kernels must track the
@@ -86,8 +82,8 @@ def test_triton_matches_torch_backend_bf16(checkpoint_factory: Callable[..., Pat
     got, llm = _run(path, "triton", "bfloat16", **STRESS)
     assert llm.engine.stats().num_preemptions > 0
     assert [g[0] for g in got] == [r[0] for r in ref]
-    kernels_vs_torch = _mean_common_prefix(got, ref)
-    bf16_vs_fp32 = _mean_common_prefix(ref, fp32)
+    kernels_vs_torch = mean_common_prefix(got, ref)
+    bf16_vs_fp32 = mean_common_prefix(ref, fp32)
     print(
         f"bf16 common prefix: kernels vs torch {kernels_vs_torch:.1f}, "
         f"torch bf16 vs fp32 {bf16_vs_fp32:.1f} (of 24 tokens)"
@@ -265,33 +261,6 @@ def test_the_head_takes_the_tiles_at_few_rows() -> None:
                 assert ((logits.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def _token_logprobs(path: Path, **kw: object) -> list[list[float]]:
-    """Greedy tokens' own logprobs (``logprobs=0``), per prompt."""
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **kw)
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-    outs = llm.generate(PROMPTS, sp)
-    llm.engine.core.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs]
-
-
-def _common_prefixes(a: list[list[int]], b: list[list[int]]) -> list[int]:
-    """Per prompt, how many leading tokens two greedy runs share."""
-    return [
-        next((j for j, (x, y) in enumerate(zip(g, e, strict=True)) if x != y), len(g))
-        for g, e in zip(a, b, strict=True)
-    ]
-
-
-def _logprob_distance(a: list[list[float]], b: list[list[float]], n: list[int]) -> float:
-    """Mean absolute difference of two runs' token logprobs over each prompt's first
-    ``n[i]`` tokens."""
-    pairs = [(x, y) for i, m in enumerate(n) for x, y in zip(a[i][:m], b[i][:m], strict=True)]
-    return sum(abs(x - y) for x, y in pairs) / len(pairs)
-
-
 def _assert_fp8_graphs_track_eager(
     path: Path, graphs: list[list[int]], eager: list[list[int]], kw: dict[str, object]
 ) -> None:
@@ -303,15 +272,15 @@ def _assert_fp8_graphs_track_eager(
     within a third of the distance between FP8 and bf16 eager themselves."""
     first = [g[0] == e[0] for g, e in zip(graphs, eager, strict=True)]
     assert all(first)  # the prefill runs eagerly in both
-    lp_graphs = _token_logprobs(path, **kw)
-    lp_eager = _token_logprobs(path, enforce_eager=True, **kw)
+    lp_graphs = greedy_logprobs(path, PROMPTS, **kw)[1]
+    lp_eager = greedy_logprobs(path, PROMPTS, enforce_eager=True, **kw)[1]
     no_fp8 = {k: v for k, v in kw.items() if k not in ("quantization", "kv_cache_dtype")}
-    lp_bf16 = _token_logprobs(path, enforce_eager=True, **no_fp8)
+    lp_bf16 = greedy_logprobs(path, PROMPTS, enforce_eager=True, **no_fp8)[1]
 
-    common = _common_prefixes(graphs, eager)
-    graphs_vs_eager = _logprob_distance(lp_graphs, lp_eager, common)
+    common = common_prefixes(graphs, eager)
+    graphs_vs_eager = logprob_distance(lp_graphs, lp_eager, common)
     first_token = [1] * len(PROMPTS)  # the bf16 model's tokens differ from FP8's after that
-    fp8_vs_bf16 = _logprob_distance(lp_eager, lp_bf16, first_token)
+    fp8_vs_bf16 = logprob_distance(lp_eager, lp_bf16, first_token)
     print(f"FP8 logprobs: graphs vs eager {graphs_vs_eager:.4f}, FP8 vs bf16 {fp8_vs_bf16:.4f}")
     assert fp8_vs_bf16 > 0
     assert graphs_vs_eager <= fp8_vs_bf16 / 3
@@ -338,21 +307,17 @@ def test_fp8_activations_quantized_by_the_norms_track_the_unfused_kernels(
 
     path = checkpoint_factory("gpu-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
     kw = dict(quantization="fp8", enforce_eager=True, **FIXED_POOL)
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 
     def greedy(**extra: object) -> tuple[list[list[int]], list[list[float]], int | None]:
         """Greedy tokens, their logprobs, and the down projection's ``fp8_input_group``."""
-        args = {**kw, **extra}
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **args)
-        fused = getattr(llm.engine.worker.model.model.layers[1].mlp.down_proj,
-                        "fp8_input_group", None)  # fmt: skip
-        outs = llm.generate(PROMPTS, sp)
-        llm.engine.core.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        lps = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs]
-        return [o.outputs[0].token_ids for o in outs], lps, fused
+        seen: list[int | None] = []
+
+        def look(llm: LLM) -> None:
+            down = llm.engine.worker.model.model.layers[1].mlp.down_proj
+            seen.append(getattr(down, "fp8_input_group", None))
+
+        tokens, logprobs = greedy_logprobs(path, PROMPTS, look, **{**kw, **extra})
+        return tokens, logprobs, seen[0]
 
     got, got_lp, fused = greedy()
     with monkeypatch.context() as patch:
@@ -361,9 +326,9 @@ def test_fp8_activations_quantized_by_the_norms_track_the_unfused_kernels(
         bf16_lp = greedy(quantization=None)[1]
     assert fused is not None and unfused is None
 
-    common = _common_prefixes(got, want)
-    fused_vs_unfused = _logprob_distance(got_lp, want_lp, common)
-    fp8_vs_bf16 = _logprob_distance(want_lp, bf16_lp, [1] * len(PROMPTS))
+    common = common_prefixes(got, want)
+    fused_vs_unfused = logprob_distance(got_lp, want_lp, common)
+    fp8_vs_bf16 = logprob_distance(want_lp, bf16_lp, [1] * len(PROMPTS))
     print(f"FP8 logprobs: fused vs unfused {fused_vs_unfused:.4f} over {sum(common)} tokens, "
           f"FP8 vs bf16 {fp8_vs_bf16:.4f}")  # fmt: skip
     assert sum(common) >= 2 * len(PROMPTS)
@@ -381,7 +346,7 @@ def test_fp8_kv_cache_triton_matches_torch_backend(checkpoint_factory: Callable[
         ref_llm.engine.worker.kv_pool.k_scales
     )
     assert llm.engine.stats().num_preemptions > 0
-    assert _mean_common_prefix(got, ref) >= 20  # of 24: at most a late near tie apart
+    assert mean_common_prefix(got, ref) >= 20  # of 24: at most a late near tie apart
 
 
 def test_fp8_kv_cache_with_cuda_graphs_matches_eager(

@@ -13,6 +13,7 @@ import torch
 
 from kvscale.server import LLM, SamplingParams
 from tests import int4_checkpoints as ck
+from tests.greedy_paths import mean_common_prefix
 from tests.hf_reference import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -62,16 +63,6 @@ def _run(path: Path, backend: str, dtype: str, **kw: object) -> tuple[list[list[
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-def _mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
-    total = 0
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        total += n
-    return total / len(a)
-
-
 @pytest.mark.parametrize("name", ["gptq-act-order", "gptq-qwen2"])
 def test_int4_kernel_matches_the_reference_path_fp32(
     rtn: Callable[[str], tuple[Path, Path]], name: str
@@ -95,8 +86,8 @@ def test_int4_bf16_tracks_the_reference_path(rtn: Callable[[str], tuple[Path, Pa
     want, _ = _run(path, "torch", "bfloat16", **STRESS)
     got, _ = _run(path, "triton", "bfloat16", **STRESS)
     assert [g[0] for g in got] == [w[0] for w in want]
-    kernel_vs_torch = _mean_common_prefix(got, want)
-    bf16_vs_fp32 = _mean_common_prefix(want, fp32)
+    kernel_vs_torch = mean_common_prefix(got, want)
+    bf16_vs_fp32 = mean_common_prefix(want, fp32)
     print(f"int4 bf16 common prefix: kernel vs torch {kernel_vs_torch:.1f}, ", end="")
     print(f"torch bf16 vs fp32 {bf16_vs_fp32:.1f} (of 24 tokens)")
     assert kernel_vs_torch >= 0.8 * bf16_vs_fp32

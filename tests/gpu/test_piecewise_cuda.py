@@ -17,6 +17,12 @@ import torch
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.worker.graph_dispatch import Dispatch, GraphDispatcher
 from kvscale.server.worker.piecewise_graphs import PiecewiseGraphs
+from tests.greedy_paths import (
+    common_prefixes,
+    greedy_logprobs,
+    logprob_distance,
+    mean_common_prefix,
+)
 from tests.hf_reference import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -126,18 +132,6 @@ def test_auto_mode_takes_both_kinds_of_graphs_for_a_plain_model(
     assert got == eager
 
 
-def _common_prefix(x: list[int], y: list[int]) -> int:
-    """How many leading tokens two greedy runs share."""
-    n = 0
-    while n < min(len(x), len(y)) and x[n] == y[n]:
-        n += 1
-    return n
-
-
-def _mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(_common_prefix(x, y) for x, y in zip(a, b, strict=True)) / len(a)
-
-
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_piecewise_graphs_track_eager_bf16(
     checkpoint_factory: Callable[..., Path], tmp_path: Path, compiler: str
@@ -160,8 +154,8 @@ def test_piecewise_graphs_track_eager_bf16(
     )
     assert "piecewise" in kinds and llm.engine.stats().num_preemptions > 0
     assert [g[0] for g in got] == [r[0] for r in ref]
-    piecewise_vs_eager = _mean_common_prefix(got, ref)
-    bf16_vs_fp32 = _mean_common_prefix(ref, fp32)
+    piecewise_vs_eager = mean_common_prefix(got, ref)
+    bf16_vs_fp32 = mean_common_prefix(ref, fp32)
     print(
         f"bf16 common prefix: piecewise vs eager {piecewise_vs_eager:.1f}, "
         f"eager bf16 vs fp32 {bf16_vs_fp32:.1f} (of 24 tokens)"
@@ -170,21 +164,16 @@ def test_piecewise_graphs_track_eager_bf16(
 
 
 def _greedy_logprobs(path: Path, **kw: Any) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """bf16 greedy tokens, their own logprobs and each step's dispatch kind; the engine
-    is released before returning."""
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **kw)
-    w = llm.engine.worker
-    rec = _Recorder(w.dispatcher)
-    w.dispatcher = rec  # type: ignore[assignment]
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-    outs = llm.generate(PROMPTS, sp)
-    llm.engine.core.shutdown()
-    del llm, w
-    gc.collect()
-    torch.cuda.empty_cache()
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs]
-    return tokens, logprobs, rec.kinds
+    """bf16 greedy tokens, their own logprobs and each step's dispatch kind."""
+    recorders: list[_Recorder] = []
+
+    def record(llm: LLM) -> None:
+        w = llm.engine.worker
+        recorders.append(_Recorder(w.dispatcher))
+        w.dispatcher = recorders[0]  # type: ignore[assignment]
+
+    tokens, logprobs = greedy_logprobs(path, PROMPTS, record, **kw)
+    return tokens, logprobs, recorders[0].kinds
 
 
 def test_fp8_piecewise_graphs_track_eager(
@@ -209,13 +198,9 @@ def test_fp8_piecewise_graphs_track_eager(
     )
     assert "piecewise" in kinds and "full" in kinds
 
-    def distance(a: list[list[float]], b: list[list[float]], n: list[int]) -> float:
-        pairs = [(x, y) for i, m in enumerate(n) for x, y in zip(a[i][:m], b[i][:m], strict=True)]
-        return sum(abs(x - y) for x, y in pairs) / len(pairs)
-
-    common = [max(1, _common_prefix(g, e)) for g, e in zip(got, eager, strict=True)]
-    pieces_vs_eager = distance(lp_got, lp_eager, common)
-    fp8_vs_bf16 = distance(lp_eager, lp_bf16, [1] * len(PROMPTS))
+    common = [max(1, n) for n in common_prefixes(got, eager)]
+    pieces_vs_eager = logprob_distance(lp_got, lp_eager, common)
+    fp8_vs_bf16 = logprob_distance(lp_eager, lp_bf16, [1] * len(PROMPTS))
     print(
         f"FP8 logprobs: pieces vs eager {pieces_vs_eager:.4f} over {sum(common)} tokens, "
         f"FP8 vs bf16 {fp8_vs_bf16:.4f}"

@@ -39,6 +39,7 @@ import torch
 
 from kvscale.server import LLM, SamplingParams
 from kvscale.server.distributed.group import NCCL_ENV
+from tests.greedy_paths import mean_common_prefix
 from tests.hf_reference import (
     assert_greedy_agrees_up_to_near_ties,
     fp8_tp2_and_quantization_gaps,
@@ -234,16 +235,6 @@ def test_decode_graphs_hold_the_all_reduces(checkpoint_factory: Callable[..., Pa
     assert "broadcast" in cpu  # rank 0's sampled tokens, eagerly, once a step
 
 
-def _common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
-    total = 0
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        total += n
-    return total / len(a)
-
-
 def test_tp2_bf16_tracks_tp1_as_bf16_tracks_fp32(checkpoint_factory: Callable[..., Path]) -> None:
     path = checkpoint_factory("gpu-tp-llama-bf16", arch="llama", seed=4, dtype="bfloat16")
     runs = {}
@@ -253,8 +244,8 @@ def test_tp2_bf16_tracks_tp1_as_bf16_tracks_fp32(checkpoint_factory: Callable[..
         "tp2": dict(dtype="bfloat16", tensor_parallel_size=2),
     }.items():
         runs[name] = _run(path, **kw, **STRESS)
-    tp2_vs_tp1 = _common_prefix(runs["tp2"], runs["tp1"])
-    bf16_vs_fp32 = _common_prefix(runs["tp1"], runs["fp32"])
+    tp2_vs_tp1 = mean_common_prefix(runs["tp2"], runs["tp1"])
+    bf16_vs_fp32 = mean_common_prefix(runs["tp1"], runs["fp32"])
     print(f"bf16 common prefix: TP=2 vs TP=1 {tp2_vs_tp1:.1f}, bf16 vs fp32 {bf16_vs_fp32:.1f}")
     assert tp2_vs_tp1 >= 0.8 * bf16_vs_fp32
 
