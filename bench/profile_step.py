@@ -166,12 +166,10 @@ def _sections(eng: Any, sections: str) -> None:
 
 def _profiler(eng: Any) -> None:
     import torch
+    from engine_bench import _prompts
     from torch.profiler import ProfilerActivity, profile
 
     from kvscale.server import SamplingParams
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_bench import _prompts
 
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     print("== 2. profiler over a batch-1 request's first 3 steps")
@@ -189,10 +187,9 @@ def _profiler(eng: Any) -> None:
 
 
 def _batch1_timeline(eng: Any) -> None:
-    from kvscale.server import SamplingParams
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_bench import _prompts
+
+    from kvscale.server import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     print("== 1. batch-1 timeline (128-token prompt, 8 tokens)")
@@ -205,11 +202,9 @@ def _batch1_timeline(eng: Any) -> None:
 
 def _prefill_sizes(eng: Any) -> None:
     import torch
+    from engine_bench import _prompts
 
     from kvscale.server import SamplingParams
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_bench import _prompts
 
     print("== 3. mixed prefill steps of different sizes (each synchronized)")
     for k in range(6):
@@ -227,10 +222,9 @@ def _prefill_sizes(eng: Any) -> None:
 
 def _start_decoding(eng: Any, tag: str, seed: int) -> None:
     """64 requests of 128-token prompts, 200 tokens each, all decoding on return."""
-    from kvscale.server import SamplingParams
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from engine_bench import _prompts
+
+    from kvscale.server import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     for i, p in enumerate(_prompts(64, 128, seed)):
@@ -239,20 +233,29 @@ def _start_decoding(eng: Any, tag: str, seed: int) -> None:
         eng.step()
 
 
-def _warm_mixed(eng: Any) -> None:
-    """A mixed step of each shape sections 4 and 5 time (decodes beside a prompt of 100,
-    490, 700 and 2,000 tokens), run once first: their kernels' first compilation (r108:
-    720 ms) stays out of the timed steps, as the server's warm-up keeps it out of its
-    first requests' (``kvscale.server.api.app._warm_up``)."""
+# Section 4's prompts joining 64 decoding sequences, in order (tokens): three alike for
+# the spread, then shorter and longer ones. Section 5 joins 490-token prompts.
+JOINING = (490, 490, 490, 100, 700, 2000)
+
+
+def _join(eng: Any, request_id: str, tokens: int, seed: int) -> None:
+    """Adds one prompt of ``tokens`` random tokens that stops after its first token."""
     from engine_bench import _prompts
 
     from kvscale.server import SamplingParams
 
+    params = SamplingParams(temperature=0, max_tokens=1)
+    eng.add_request(request_id, _prompts(1, tokens, seed)[0], params)
+
+
+def _warm_mixed(eng: Any) -> None:
+    """A mixed step of each shape sections 4 and 5 time (64 decodes beside each prompt
+    size of ``JOINING``), run once first: their kernels' first compilation (r108:
+    720 ms) stays out of the timed steps, as the server's warm-up keeps it out of its
+    first requests' (``kvscale.server.api.app._warm_up``)."""
     _start_decoding(eng, "w", 10)
-    for k, joining in enumerate((100, 490, 700, 2000)):
-        eng.add_request(
-            f"wj{k}", _prompts(1, joining, 60 + k)[0], SamplingParams(temperature=0, max_tokens=1)
-        )
+    for k, joining in enumerate(sorted(set(JOINING))):
+        _join(eng, f"wj{k}", joining, 60 + k)
         eng.step()
     while eng.has_unfinished_requests():
         eng.step()
@@ -260,11 +263,6 @@ def _warm_mixed(eng: Any) -> None:
 
 def _mixed_vs_decode(eng: Any) -> None:
     import torch
-
-    from kvscale.server import SamplingParams
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_bench import _prompts
 
     print("== 4. 64 decoding sequences, alone and with a prompt joining")
     _start_decoding(eng, "d", 20)
@@ -281,11 +279,9 @@ def _mixed_vs_decode(eng: Any) -> None:
         cur["step_ms"] = 1e3 * (time.perf_counter() - t0)
         print(f"{label}: {_fmt(cur)}")
 
-    for k, joining in enumerate((490, 490, 490, 100, 700, 2000)):
+    for k, joining in enumerate(JOINING):
         one_step("decode only")
-        eng.add_request(
-            f"j{k}", _prompts(1, joining, 30 + k)[0], SamplingParams(temperature=0, max_tokens=1)
-        )
+        _join(eng, f"j{k}", joining, 30 + k)
         one_step(f"mixed, {joining}-token prompt joining")
     while eng.has_unfinished_requests():
         eng.step()
@@ -298,20 +294,13 @@ def _mixed_host_profile(eng: Any, steps: int = 10, top: int = 30) -> None:
 
     import torch
 
-    from kvscale.server import SamplingParams
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_bench import _prompts
-
     print(f"== 5. the host's functions in {steps} mixed steps (64 decodes + a 490-token prompt)")
     _start_decoding(eng, "h", 40)
     prof = cProfile.Profile()
     launched = 0.0
     for k in range(steps):
         eng.step()  # a decode-only step between the mixed ones, as in section 4
-        eng.add_request(
-            f"hj{k}", _prompts(1, 490, 50 + k)[0], SamplingParams(temperature=0, max_tokens=1)
-        )
+        _join(eng, f"hj{k}", JOINING[0], 50 + k)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         prof.enable()
