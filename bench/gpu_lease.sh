@@ -172,18 +172,14 @@ serve_c64() {  # serve_c64 NAME [FLAGS]: D at c=64 on a server of its own, in $R
     --phases serve --concurrency 64 --serve-detailed "--serve-args=${2:-}"
 }
 
-plan_r109() {  # e101 (one H100, ~7 minutes): FP8's piecewise graphs against eager (the new
-  # GPU test), then FP8's D c=64 against bf16's, alternated on
-  # servers of their own (r106: 11.62 against 8.91 ms median TPOT; r108: FP8's mixed steps
-  # no slower), then FP8 with piecewise graphs for its mixed steps (no longer host-bound)
+plan_r110() {  # e102 (one H100, ~7 minutes): `auto` now takes piecewise graphs for FP8
+  # at load; D c=64 with it against FP8's default, alternated, then bf16 under `auto`
   facts
-  step tests-gpu 150 "${PT[@]}" tests/gpu/test_piecewise_cuda.py -k fp8
   ckpt_write
-  serve_c64 bf16-1
-  serve_c64 fp8-1 --quantization=fp8
-  serve_c64 bf16-2
-  serve_c64 fp8-2 --quantization=fp8
-  serve_c64 fp8-pieces "--quantization=fp8 --cuda-graph-mode=full_and_piecewise"
+  serve_c64 fp8-auto "--quantization=fp8 --cuda-graph-mode=auto"
+  serve_c64 fp8-default --quantization=fp8
+  serve_c64 bf16-auto --cuda-graph-mode=auto
+  serve_c64 fp8-auto-2 "--quantization=fp8 --cuda-graph-mode=auto"
   step itl 30 python3 bench/serve_itl.py "$RES"/*/serve_kvscale_c64.json
 }
 

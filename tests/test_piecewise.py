@@ -81,6 +81,7 @@ PLAIN = dict(
     cuda=True,
     triton=True,
     quantized=False,
+    fp8_at_load=False,
     kv_quantized=False,
     tensor_parallel=False,
     speculative=False,
@@ -90,13 +91,23 @@ PLAIN = dict(
 
 def test_auto_takes_piecewise_graphs_only_where_they_are_tested() -> None:
     assert auto_graph_mode(**PLAIN) == ("full_and_piecewise", "an unquantized model on one GPU")
+    fp8 = {**PLAIN, "quantized": True, "fp8_at_load": True}
+    assert auto_graph_mode(**fp8) == (
+        "full_and_piecewise",
+        "FP8 weights quantized at load on one GPU",
+    )
     flips = {"cuda": False, "triton": False}
-    for name in PLAIN:
-        mode, why = auto_graph_mode(**{**PLAIN, name: flips.get(name, True)})
-        assert mode == "full_decode_only", name
-        assert why.startswith("piecewise graphs are not tested with "), why
+    for base in (PLAIN, fp8):
+        for name in PLAIN:
+            if name == "fp8_at_load" or (name == "quantized" and base is fp8):
+                continue  # says which quantization, when there is one; fp8's is already on
+            mode, why = auto_graph_mode(**{**base, name: flips.get(name, True)})
+            assert mode == "full_decode_only", (name, base)
+            assert why.startswith("piecewise graphs are not tested with "), why
     _, why = auto_graph_mode(**{**PLAIN, "quantized": True, "speculative": True})
-    assert why.endswith("quantized weights, speculative decoding")
+    assert why.endswith("a checkpoint's quantized weights, speculative decoding")
+    _, why = auto_graph_mode(**{**fp8, "kv_quantized": True})
+    assert why == "piecewise graphs are not tested with a quantized KV cache"
 
 
 def test_auto_on_cpu_runs_as_the_default(llama_ckpt: Path) -> None:

@@ -161,21 +161,23 @@ def auto_graph_mode(
     cuda: bool,
     triton: bool,
     quantized: bool,
+    fp8_at_load: bool,
     kv_quantized: bool,
     tensor_parallel: bool,
     speculative: bool,
     compiled: bool,
 ) -> tuple[str, str]:
     """What ``cuda_graph_mode='auto'`` runs, and why: piecewise graphs for mixed steps
-    where they are GPU-tested and measured (an unquantized model with a 16-bit KV cache on
-    one CUDA GPU, the Triton backend, no speculation, no ``--compile``: bench/NOTES.md
-    e72, e73), whole-model decode graphs alone otherwise."""
+    where they are GPU-tested and measured (an unquantized model, or one quantized to FP8
+    at load (``fp8_at_load``), with a 16-bit KV cache on one CUDA GPU, the Triton backend,
+    no speculation, no ``--compile``: bench/NOTES.md e72, e73, "e101 measured"),
+    whole-model decode graphs alone otherwise."""
     reasons = [
         why
         for why, applies in (
             ("not on a CUDA GPU", not cuda),
             ("not the Triton attention backend", not triton),
-            ("quantized weights", quantized),
+            ("a checkpoint's quantized weights", quantized and not fp8_at_load),
             ("a quantized KV cache", kv_quantized),
             ("tensor parallelism", tensor_parallel),
             ("speculative decoding", speculative),
@@ -185,6 +187,8 @@ def auto_graph_mode(
     ]
     if reasons:
         return "full_decode_only", "piecewise graphs are not tested with " + ", ".join(reasons)
+    if quantized:
+        return "full_and_piecewise", "FP8 weights quantized at load on one GPU"
     return "full_and_piecewise", "an unquantized model on one GPU"
 
 

@@ -44,7 +44,7 @@ from kvscale.server.layers.sampler import (
 )
 from kvscale.server.models.loader import load_model
 from kvscale.server.parallel import SINGLE, ParallelState
-from kvscale.server.quantization import get_quantization
+from kvscale.server.quantization import Fp8OnlineConfig, get_quantization
 from kvscale.server.sampling_params import MAX_LOGPROBS
 from kvscale.server.spec_decode.rejection_sampler import (
     RejectionOutput,
@@ -222,6 +222,7 @@ class Worker:
                 cuda=device.type == "cuda",
                 triton=self.backend.name == "triton",
                 quantized=quant is not None,
+                fp8_at_load=isinstance(quant, Fp8OnlineConfig),
                 kv_quantized=config.kv_cache_dtype.itemsize < 2,
                 tensor_parallel=parallel.world_size > 1,
                 speculative=eng.speculative_method is not None,
