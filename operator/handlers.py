@@ -31,6 +31,7 @@ from kvscale.operator import constants as c
 from kvscale.operator.config import OperatorConfig
 from kvscale.operator.kube import USER_AGENT, KubeClient
 from kvscale.operator.reconcile import LLMDEPLOYMENTS, Conflict, Outcome, reconcile
+from kvscale.operator.status_writes import StatusWrites
 
 LLMD = (c.GROUP, c.VERSION, c.PLURAL)
 CHILD_LABELS = {c.MANAGED_BY_LABEL: c.MANAGER, c.OWNER_LABEL: kopf.PRESENT}
@@ -58,6 +59,7 @@ async def startup(
         raise kopf.PermanentError(f"no in-cluster service account and no kubeconfig: {e}") from e
     memo.http = aiohttp.ClientSession(headers={"User-Agent": agent})  # Prometheus and pods
     memo.locks = {}
+    memo.status_writes = StatusWrites()
     memo.autoscalers = {}  # (namespace, name) -> (task, stop event)
     memo.metrics_server = None
     if memo.config.metrics_port:
@@ -164,7 +166,11 @@ async def reconcile_llmdeployment(
     """Create or update the Deployment, Service and PodDisruptionBudget; report status."""
     try:
         async with _lock(memo, namespace, name):
-            outcome = await reconcile(memo.api, body, memo.config, cache=IndexCache(kw))
+            llmd = await memo.status_writes.current(memo.api, namespace, name, body)
+            if llmd is None:
+                return
+            outcome = await reconcile(memo.api, llmd, memo.config, cache=IndexCache(kw))
+            memo.status_writes.wrote(namespace, name, outcome.status_version)
     except Conflict as e:
         raise kopf.TemporaryError(str(e), delay=1) from e
     _post(body, outcome)
@@ -188,10 +194,13 @@ async def _reconcile_owner(
             llmd = await memo.api.get(LLMDEPLOYMENTS.path(namespace, name))
         else:
             llmd = _one(kw["llmd_index"], (namespace, name))
+            if llmd is not None:
+                llmd = await memo.status_writes.current(memo.api, namespace, name, llmd)
         if llmd is None or llmd["metadata"].get("deletionTimestamp"):
             return
         try:
             outcome = await reconcile(memo.api, llmd, memo.config, cache=IndexCache(kw))
+            memo.status_writes.wrote(namespace, name, outcome.status_version)
         except Conflict as e:
             logger.debug(
                 "conflict while reconciling %s/%s: %s; the next event retries", namespace, name, e
@@ -249,6 +258,7 @@ async def llmdeployment_event(
     _supervise(memo, namespace, name, not gone and _autoscaling_enabled(spec), logger)
     if type == "DELETED":
         memo.locks.pop((namespace, name), None)
+        memo.status_writes.forget(namespace, name)
         logger.info("deleted; Kubernetes garbage-collects its Deployment, Service and PDB")
 
 

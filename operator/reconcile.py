@@ -56,6 +56,7 @@ class Outcome:
     retry: bool = False  # something outside the cluster objects we own must change first
     status: Obj | None = None
     status_written: bool = False
+    status_version: str | None = None  # the resourceVersion the status write made
 
 
 def now_iso() -> str:
@@ -393,8 +394,9 @@ async def reconcile(
         if version is not None:
             body["metadata"] = {"resourceVersion": version}
         try:
-            await api.patch(LLMDEPLOYMENTS.path(ns, name, "status"), body)
+            written = await api.patch(LLMDEPLOYMENTS.path(ns, name, "status"), body)
             out.status_written = True
+            out.status_version = (written.get("metadata") or {}).get("resourceVersion")
             break
         except ApiError as e:
             if e.status == 404:  # deleted meanwhile, nothing to report to
