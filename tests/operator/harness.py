@@ -61,6 +61,16 @@ class Kubectl:
         return json.loads(self(*args, "-o", "json"))
 
 
+def demo_llmd(name: str, namespace: str, more_spec: str = "") -> str:
+    """The YAML of an LLMDeployment of the built-in demo model on CPU; ``more_spec``: further
+    lines of its spec, each indented two spaces."""
+    return (
+        "apiVersion: serving.kvscale.dev/v1alpha1\nkind: LLMDeployment\n"
+        f"metadata: {{name: {name}, namespace: {namespace}}}\n"
+        "spec:\n  model: {source: builtin://demo}\n  engine: {device: cpu}\n" + more_spec
+    )
+
+
 def install_crd_and_namespace(kubectl: Kubectl, namespace: str) -> None:
     """``kubectl apply`` the project's CRD and a namespace (what every emulated cluster of
     the tests starts with)."""

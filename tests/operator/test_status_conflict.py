@@ -14,16 +14,10 @@ from kvscale.operator.config import OperatorConfig
 from kvscale.operator.kube import ApiError, KubeClient
 from kvscale.operator.reconcile import LLMDEPLOYMENTS, STATUS_ATTEMPTS, Conflict, reconcile
 from tests.k8s_emulator.runner import EmulatorThread
-from tests.operator.harness import Kubectl, install_crd_and_namespace
+from tests.operator.harness import Kubectl, demo_llmd, install_crd_and_namespace
 
 NS = "ml"
-LLMD = """apiVersion: serving.kvscale.dev/v1alpha1
-kind: LLMDeployment
-metadata: {name: busy, namespace: ml}
-spec:
-  model: {source: builtin://demo}
-  engine: {device: cpu}
-"""
+LLMD = demo_llmd("busy", NS)
 
 
 class StatusAlwaysChanged(KubeClient):

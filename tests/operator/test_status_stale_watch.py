@@ -14,17 +14,10 @@ from kvscale.operator.kube import KubeClient
 from kvscale.operator.reconcile import LLMDEPLOYMENTS, reconcile
 from kvscale.operator.status_writes import StatusWrites
 from tests.k8s_emulator.runner import EmulatorThread
-from tests.operator.harness import Kubectl, install_crd_and_namespace
+from tests.operator.harness import Kubectl, demo_llmd, install_crd_and_namespace
 
 NS = "ml"
-LLMD = """apiVersion: serving.kvscale.dev/v1alpha1
-kind: LLMDeployment
-metadata: {name: busy, namespace: ml}
-spec:
-  model: {source: builtin://demo}
-  engine: {device: cpu}
-  replicas: 3
-"""
+LLMD = demo_llmd("busy", NS, "  replicas: 3\n")
 DEPLOYMENT = f"/apis/apps/v1/namespaces/{NS}/deployments/busy"
 
 
