@@ -172,13 +172,18 @@ serve_c64() {  # serve_c64 NAME [FLAGS]: D at c=64 on a server of its own, in $R
     --phases serve --concurrency 64 --serve-detailed "--serve-args=${2:-}"
 }
 
-plan_r110() {  # e102 (one H100, ~7 minutes; what fits in the device time left): `auto` now
-  # takes piecewise graphs for FP8 at load; D c=64 with it, bf16 under `auto`, FP8's default
+plan_r110() {  # e102 (one H100, ~10 minutes): `auto` now takes piecewise graphs for FP8 at
+  # load; D c=64 with it, bf16 under `auto`, FP8's and bf16's defaults
   facts
   ckpt_write
   serve_c64 fp8-auto "--quantization=fp8 --cuda-graph-mode=auto --log-level info"
   serve_c64 bf16-auto "--cuda-graph-mode=auto --log-level info"
   serve_c64 fp8-default --quantization=fp8
+  # bf16 default with and without the detailed client (r109's 10.04 / 10.91 ms against
+  # r106's 8.91: the client's --save-detailed is the one change between them)
+  step bf16-plain 150 python3 bench/engine_bench.py --out-dir "$RES/bf16-plain" --ckpt "$CKPT" \
+    --phases serve --concurrency 64
+  serve_c64 bf16-default
   serve_c64 fp8-auto-2 "--quantization=fp8 --cuda-graph-mode=auto"
   step itl 30 python3 bench/serve_itl.py "$RES"/*/serve_kvscale_c64.json
 }
