@@ -190,8 +190,8 @@ class EngineConfig:
     )
     cuda_graph_mode: str = setting(
         "full_decode_only",
-        "auto (full_and_piecewise for an unquantized model on one GPU without speculation, "
-        "else full_decode_only) | "
+        "auto (full_and_piecewise for an unquantized model, or FP8 weights quantized at load, "
+        "on one GPU without speculation, else full_decode_only) | "
         "full_and_piecewise (decode-only steps replay a whole-model graph, other steps up to "
         "the largest captured size replay piecewise graphs around eager attention) | "
         "full_decode_only | piecewise | none; larger steps run eagerly; on CPU nothing is "
