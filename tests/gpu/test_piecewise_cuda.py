@@ -61,14 +61,20 @@ class _Recorder:
         self.kinds.append(d.kind)
         return d
 
+    @classmethod
+    def install(cls, llm: LLM) -> _Recorder:
+        """A recorder put in front of ``llm``'s dispatcher."""
+        w = llm.engine.worker
+        rec = cls(w.dispatcher)
+        w.dispatcher = rec  # type: ignore[assignment]
+        return rec
+
 
 def _run(path: Path, dtype: str, **kw: Any) -> tuple[list[list[int]], LLM, list[str]]:
     llm = LLM(str(path), device="cuda", dtype=dtype, attention_backend="triton", **kw)
-    w = llm.engine.worker
-    rec = _Recorder(w.dispatcher)
-    w.dispatcher = rec  # type: ignore[assignment]
+    rec = _Recorder.install(llm)
     outs = llm.generate(PROMPTS, GREEDY)
-    w.dispatcher = rec.inner
+    llm.engine.worker.dispatcher = rec.inner
     return [o.outputs[0].token_ids for o in outs], llm, rec.kinds
 
 
@@ -166,13 +172,9 @@ def test_piecewise_graphs_track_eager_bf16(
 def _greedy_logprobs(path: Path, **kw: Any) -> tuple[list[list[int]], list[list[float]], list[str]]:
     """bf16 greedy tokens, their own logprobs and each step's dispatch kind."""
     recorders: list[_Recorder] = []
-
-    def record(llm: LLM) -> None:
-        w = llm.engine.worker
-        recorders.append(_Recorder(w.dispatcher))
-        w.dispatcher = recorders[0]  # type: ignore[assignment]
-
-    tokens, logprobs = greedy_logprobs(path, PROMPTS, record, **kw)
+    tokens, logprobs = greedy_logprobs(
+        path, PROMPTS, lambda llm: recorders.append(_Recorder.install(llm)), **kw
+    )
     return tokens, logprobs, recorders[0].kinds
 
 
